@@ -1,0 +1,1 @@
+"""Sluice desktop app (PySide6) and command line."""

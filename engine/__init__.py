@@ -1,0 +1,1 @@
+"""Sluice engine: everything that computes. Never imports Qt, nodes or app."""

@@ -1,0 +1,1 @@
+"""Sluice node types (declarative), their registry and user plugins. Never imports Qt."""
