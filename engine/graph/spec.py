@@ -199,5 +199,11 @@ class NodeType:
             values[i.name] = default
         return values
 
+    @classmethod
+    def fingerprint(cls, settings: Any, **widgets: Any) -> Any:
+        """Something that changes when the node's result would change for the same widget values, e.g. the
+        modification time of the file a loader reads (ComfyUI's IS_CHANGED). Part of the cache signature."""
+        return None
+
     def run(self, ctx: RunContext, **inputs: Any) -> tuple:
         raise NotImplementedError(f"node type {self.type_name} has no run()")

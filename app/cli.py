@@ -1,0 +1,437 @@
+"""The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes).
+
+Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
+This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
+write `_add_NAME_parser(subparsers, common)` (which sets `handler`) and `command_NAME(args) -> int`, and
+call the former in `build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from engine.graph.document import Workflow, id_sort_key
+from engine.graph.errors import WorkflowError
+from engine.settings import Settings, SettingsError, load_settings, resources_dir
+from nodes.registry import NodeRegistry, default_registry
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def default_workflow_path() -> Path:
+    return resources_dir() / "workflows" / "default.json"
+
+
+class CommandError(Exception):
+    """A user error the CLI reports as one line and exit code 2."""
+
+
+# -- shared steps --
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings(models_root=args.models, output_dir=args.output, plugins_dir=args.plugins)
+
+
+def _registry(settings: Settings) -> NodeRegistry:
+    registry = default_registry(settings)
+    for failure in registry.plugin_failures:
+        print(f"sluice: plugin not loaded: {failure}", file=sys.stderr)
+    return registry
+
+
+def _load_workflow(path: str | Path) -> Workflow:
+    if not Path(path).is_file():
+        raise CommandError(f"workflow file not found: {path}")
+    try:
+        return Workflow.load(path)
+    except WorkflowError as error:
+        raise CommandError(f"cannot load workflow: {error}") from None
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """`NODE_ID.INPUT=VALUE` -> (node id, input name, value text)."""
+    key, equals, value = text.partition("=")
+    node_id, dot, input_name = key.partition(".")
+    if not equals or not dot or not node_id or not input_name:
+        raise CommandError(f"--set {text!r}: expected NODE_ID.INPUT=VALUE (e.g. --set 3.seed=42)")
+    return node_id, input_name, value
+
+
+def override_value(kind: str, text: str) -> Any:
+    """The value of `--set`: JSON when it parses, else the text; text widgets keep unquoted text as is."""
+    from engine.graph.spec import COMBO, FLOAT, STRING
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    if kind in (STRING, COMBO) and not isinstance(value, str):
+        return text
+    if kind == FLOAT and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def apply_overrides(workflow: Workflow, overrides: list[str], lookup: Callable[[str], Any]) -> None:
+    """Set widget values from `--set NODE_ID.INPUT=VALUE` arguments; errors name the node and its inputs."""
+    for text in overrides:
+        node_id, input_name, value_text = parse_override(text)
+        node = workflow.nodes.get(node_id)
+        if node is None:
+            ids = ", ".join(sorted(workflow.nodes, key=id_sort_key)) or "none"
+            raise CommandError(f"--set {text!r}: no node {node_id!r} in the workflow; node ids: {ids}")
+        node_type = lookup(node.type)
+        if node_type is None:
+            raise CommandError(f"--set {text!r}: node {node_id} has unknown type {node.type!r}")
+        widget = next((i for i in node_type.widget_inputs() if i.name == input_name), None)
+        if widget is None:
+            names = ", ".join(i.name for i in node_type.widget_inputs()) or "none"
+            raise CommandError(f"--set {text!r}: node {node_id} ({node.type}) has no widget input "
+                               f"{input_name!r}; widget inputs: {names}")
+        link = workflow.links_into(node_id).get(input_name)
+        if link is not None:
+            raise CommandError(f"--set {text!r}: node {node_id} ({node.type}) input {input_name!r} is fed by "
+                               f"a link from node {link.source}; --set changes only unlinked widget values")
+        node.widgets[input_name] = override_value(widget.kind, value_text)
+
+
+@contextmanager
+def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
+    """The first Ctrl+C asks the executor to stop; a second one raises KeyboardInterrupt as usual."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, previous)
+        print("\nsluice: interrupting (Ctrl+C again to abort)", file=sys.stderr)
+        executor.interrupt()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
+    """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
+    from engine.graph.executor import Executor
+    from engine.graph.validate import validate
+    from engine.telemetry import bus
+
+    settings = _settings(args)
+    registry = _registry(settings)
+    workflow = _load_workflow(path)
+    apply_overrides(workflow, args.set or [], registry.get)
+    errors = validate(workflow, registry.get)
+    if errors:
+        for error in errors:
+            print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    executor = Executor(registry.get, bus=bus, settings=settings)
+    printer = ProgressPrinter(workflow, quiet=args.quiet)
+    unsubscribe = bus.subscribe(printer)
+    try:
+        with _interrupt_on_ctrl_c(executor):
+            result = executor.run(workflow)
+    finally:
+        unsubscribe()
+        printer.close()
+    for saved in printer.saved_files:
+        print(saved)
+    if result.status == "finished":
+        return EXIT_OK
+    if result.status == "interrupted":
+        print("sluice: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result.status == "invalid":
+        for error in result.errors:
+            print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    failure = result.failure
+    if failure is not None:
+        print(f"sluice: node {failure.node_id} ({failure.node_type}) failed: {failure.exception_type}: "
+              f"{failure.message}", file=sys.stderr)
+        if args.traceback and failure.traceback:
+            print(failure.traceback.rstrip(), file=sys.stderr)
+    else:
+        print(f"sluice: job {result.status}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+# -- progress lines (a telemetry subscriber) --
+
+SAVED_FILE_EVENT = "image_saved"  # published by nodes that write a file: bus.publish("image_saved", path=...)
+
+
+class ProgressPrinter:
+    """Writes one readable line per node event to stderr and collects the paths of saved files.
+
+    Progress events become a bar redrawn in place on a terminal, and at most about ten
+    "step 3/20" lines per node otherwise.
+    """
+
+    def __init__(self, workflow: Any, quiet: bool = False, stream: Any = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.quiet = quiet
+        self.saved_files: list[str] = []
+        self._workflow = workflow
+        self._terminal = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_tenth: dict[str, int] = {}
+        self._bar_open = False
+        self._lock = threading.Lock()
+
+    def __call__(self, event: Any) -> None:
+        with self._lock:
+            if event.kind == SAVED_FILE_EVENT and event.get("path") is not None:
+                self.saved_files.append(str(event.get("path")))
+            handler = getattr(self, f"_on_{event.kind}", None)
+            if handler is not None and not self.quiet:
+                handler(event)
+
+    def close(self) -> None:
+        with self._lock:
+            self._end_bar()
+
+    def _label(self, event: Any) -> str:
+        node_id = str(event.get("node_id"))
+        node = self._workflow.nodes.get(node_id)
+        node_type = event.get("node_type") or (node.type if node is not None else "?")
+        title = f" \"{node.title}\"" if node is not None and node.title else ""
+        return f"[{node_id}] {node_type}{title}"
+
+    def _line(self, text: str) -> None:
+        self._end_bar()
+        print(text, file=self.stream, flush=True)
+
+    def _end_bar(self) -> None:
+        if self._bar_open:
+            print(file=self.stream, flush=True)
+            self._bar_open = False
+
+    def _on_node_started(self, event: Any) -> None:
+        self._line(f"{self._label(event)} ...")
+
+    def _on_node_cached(self, event: Any) -> None:
+        self._line(f"{self._label(event)} cached")
+
+    def _on_node_finished(self, event: Any) -> None:
+        seconds = event.get("seconds")
+        self._line(f"{self._label(event)} done" + (f" in {seconds:.2f} s" if seconds is not None else ""))
+
+    def _on_progress(self, event: Any) -> None:
+        value, maximum = int(event.get("value", 0)), int(event.get("max", 0) or 0)
+        if maximum <= 0:
+            return
+        if self._terminal:
+            filled = 30 * min(value, maximum) // maximum
+            bar = "#" * filled + "-" * (30 - filled)
+            print(f"\r  {self._label(event)} [{bar}] {value}/{maximum}", end="", file=self.stream, flush=True)
+            self._bar_open = True
+            return
+        node_id = str(event.get("node_id"))
+        tenth = 10 * min(value, maximum) // maximum
+        if tenth != self._last_tenth.get(node_id) or value == maximum:
+            self._last_tenth[node_id] = tenth
+            self._line(f"  {self._label(event)} step {value}/{maximum}")
+
+    def _on_job_finished(self, event: Any) -> None:
+        seconds = event.get("seconds")
+        took = f" in {seconds:.2f} s" if seconds is not None else ""
+        self._line(f"job {event.get('status', 'finished')}{took}")
+
+
+# -- node catalogue (`sluice nodes`) --
+
+def describe_input(spec: Any) -> dict[str, Any]:
+    try:
+        choices = spec.current_choices()
+    except Exception as error:  # a computed choice list (e.g. model files) that cannot be listed now
+        choices = [f"<unavailable: {error}>"]
+    return {"name": spec.name, "kind": spec.kind, "widget": spec.is_widget, "default": spec.default,
+            "min": spec.min, "max": spec.max, "step": spec.step, "choices": choices or None,
+            "optional": spec.optional, "multiline": spec.multiline, "description": spec.description}
+
+
+def describe_node(node_type: Any, source: str | None = None) -> dict[str, Any]:
+    return {"name": node_type.type_name, "display_name": node_type.display_name,
+            "category": node_type.category, "description": node_type.description,
+            "output_node": node_type.output_node, "memory_module": node_type.memory_module, "source": source,
+            "inputs": [describe_input(i) for i in node_type.inputs],
+            "outputs": [{"name": o.name, "type": o.type, "description": o.description}
+                        for o in node_type.outputs]}
+
+
+def describe_registry(registry: NodeRegistry) -> dict[str, Any]:
+    return {"nodes": [describe_node(t, registry.source_of(t.type_name)) for t in registry.types()],
+            "plugin_failures": [{"path": str(f.path), "message": f.message}
+                                for f in registry.plugin_failures]}
+
+
+def _input_summary(spec: dict[str, Any]) -> str:
+    text = f"{spec['name']} {spec['kind']}"
+    if spec["widget"]:
+        text += f" = {spec['default']!r}"
+        if spec["min"] is not None or spec["max"] is not None:
+            low = "" if spec["min"] is None else spec["min"]
+            high = "" if spec["max"] is None else spec["max"]
+            text += f" [{low}..{high}" + (f", step {spec['step']}" if spec["step"] is not None else "") + "]"
+        if spec["choices"]:
+            shown = spec["choices"][:8]
+            more = f", ... {len(spec['choices'])} in all" if len(spec["choices"]) > 8 else ""
+            text += f" ({', '.join(map(str, shown))}{more})"
+    elif spec["optional"]:
+        text += " (optional)"
+    return text
+
+
+def format_catalog(registry: NodeRegistry) -> str:
+    """Node types grouped by category: name, inputs (kinds, defaults, ranges), outputs, description."""
+    lines: list[str] = []
+    for category, node_types in registry.categories().items():
+        lines.append(category)
+        for node_type in node_types:
+            info = describe_node(node_type)
+            shown_name = info["name"]
+            if info["display_name"] != info["name"]:
+                shown_name += f" ({info['display_name']})"
+            if info["output_node"]:
+                shown_name += " [output node]"
+            lines.append(f"  {shown_name}" + (": " + info["description"] if info["description"] else ""))
+            for spec in info["inputs"]:
+                lines.append(f"      in   {_input_summary(spec)}")
+            for output in info["outputs"]:
+                lines.append(f"      out  {output['name']} {output['type']}")
+        lines.append("")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+# -- subcommands --
+
+def _add_run_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("run", parents=[common], help="run a workflow without the GUI",
+                                   description="Run a workflow file headless and print the saved files.")
+    parser.add_argument("workflow", help="workflow JSON file")
+    _add_run_options(parser, suppress=True)
+    parser.set_defaults(handler=command_run)
+
+
+def _add_run_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    flag_default = argparse.SUPPRESS if suppress else False
+    parser.add_argument("--set", action="append", metavar="NODE_ID.INPUT=VALUE",
+                        default=argparse.SUPPRESS if suppress else None,
+                        help="override a widget value (JSON, or plain text); repeatable")
+    parser.add_argument("--quiet", action="store_true", default=flag_default, help="no progress lines")
+    parser.add_argument("--traceback", action="store_true", default=flag_default,
+                        help="print the full traceback of a failed node")
+
+
+def command_run(args: argparse.Namespace) -> int:
+    return run_workflow(args.workflow, args)
+
+
+def _add_validate_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("validate", parents=[common], help="check a workflow without running it")
+    parser.add_argument("workflow", help="workflow JSON file")
+    parser.set_defaults(handler=command_validate)
+
+
+def command_validate(args: argparse.Namespace) -> int:
+    from engine.graph.validate import validate
+
+    registry = _registry(_settings(args))
+    errors = validate(_load_workflow(args.workflow), registry.get)
+    for error in errors:
+        print(error)
+    if not errors:
+        print("ok")
+    return EXIT_FAILED if errors else EXIT_OK
+
+
+def _add_nodes_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("nodes", parents=[common], help="list the node types by category")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.set_defaults(handler=command_nodes)
+
+
+def command_nodes(args: argparse.Namespace) -> int:
+    registry = _registry(_settings(args))
+    if args.json:
+        print(json.dumps(describe_registry(registry), indent=2, default=str))
+    else:
+        print(format_catalog(registry), end="")
+    return EXIT_OK
+
+
+def command_gui(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    try:
+        from app.main_window import run_gui
+    except ModuleNotFoundError as error:
+        if error.name != "app.main_window":
+            raise
+        print("sluice: the desktop app is not built yet; use `sluice run WORKFLOW`", file=sys.stderr)
+        return EXIT_USAGE
+    return int(run_gui(settings) or 0)
+
+
+def command_headless(args: argparse.Namespace) -> int:
+    return run_workflow(default_workflow_path(), args)
+
+
+# -- parser and entry point --
+
+def _common_options(default: Any) -> argparse.ArgumentParser:
+    """Options accepted before and after the subcommand (the subcommand copy must not reset them)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--models", metavar="DIR", default=default, help="models folder (ComfyUI layout)")
+    common.add_argument("--output", "--out", dest="output", metavar="DIR", default=default,
+                        help="folder for saved images")
+    common.add_argument("--plugins", metavar="DIR", default=default, help="folder of node plugins")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice", parents=[_common_options(None)],
+        description="Sluice: a node-graph studio for diffusion image generation. "
+                    "Without a command, opens the desktop app.")
+    parser.add_argument("--headless", action="store_true",
+                        help="run the default workflow without the GUI (like `sluice run`)")
+    _add_run_options(parser, suppress=False)
+    parser.set_defaults(handler=None)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = _common_options(argparse.SUPPRESS)
+    _add_run_parser(subparsers, common)
+    _add_validate_parser(subparsers, common)
+    _add_nodes_parser(subparsers, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help, or a usage error argparse already printed
+        return int(exit_request.code or 0) if not isinstance(exit_request.code, str) else EXIT_USAGE
+    handler = args.handler or (command_headless if args.headless else command_gui)
+    try:
+        return handler(args)
+    except (CommandError, SettingsError) as error:
+        print(f"sluice: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nsluice: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `sluice nodes | head`: the reader left; silence the flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED

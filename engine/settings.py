@@ -1,0 +1,196 @@
+"""Where Sluice finds models, writes images and loads plugins.
+
+Each path is resolved in this order: command-line flag > environment (`SLUICE_MODELS`, `SLUICE_OUTPUT`,
+`SLUICE_PLUGINS`) > settings file (JSON at `SLUICE_SETTINGS` or `~/.config/sluice/settings.json`) >
+default (`./models`, `./output`, no plugins). The models folder has ComfyUI's layout, so an existing
+ComfyUI models folder works as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+# Model kind -> folder names under the models root (ComfyUI's layout, with its legacy aliases).
+MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
+    "checkpoints": ("checkpoints",),
+    "diffusion_models": ("diffusion_models", "unet"),
+    "text_encoders": ("text_encoders", "clip"),
+    "vae": ("vae",),
+    "loras": ("loras",),
+    "upscale_models": ("upscale_models",),
+    "embeddings": ("embeddings",),
+    "vae_approx": ("vae_approx",),
+}
+MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
+
+PATH_KEYS = ("models_root", "output_dir", "plugins_dir")
+ENV_VARS = {"models_root": "SLUICE_MODELS", "output_dir": "SLUICE_OUTPUT", "plugins_dir": "SLUICE_PLUGINS"}
+DEFAULTS: dict[str, str | None] = {"models_root": "models", "output_dir": "output", "plugins_dir": None}
+
+
+class SettingsError(ValueError):
+    """A bad settings file, model name, model kind or output prefix."""
+
+
+def resources_dir() -> Path:
+    """The repository's resources folder (default workflows, tokenizer data, icons)."""
+    return Path(__file__).resolve().parents[1] / "resources"
+
+
+def default_settings_file(env: Mapping[str, str] = os.environ) -> Path:
+    """`SLUICE_SETTINGS` if set, else `~/.config/sluice/settings.json`."""
+    if env.get("SLUICE_SETTINGS"):
+        return Path(env["SLUICE_SETTINGS"]).expanduser()
+    return Path.home() / ".config" / "sluice" / "settings.json"
+
+
+@dataclass
+class Settings:
+    models_root: Path  # ComfyUI-layout models folder (checkpoints/, diffusion_models/, vae/, ...)
+    output_dir: Path  # where saved images go; output_path never leaves it
+    plugins_dir: Path | None  # user node plugins; None = no plugins
+    extra: dict[str, Any] = field(default_factory=dict)  # other keys of the settings file, kept on save
+
+    def model_dirs(self, kind: str) -> list[Path]:
+        """The folders searched for models of `kind`, in search order (they may not exist)."""
+        if kind not in MODEL_FOLDERS:
+            raise SettingsError(f"unknown model kind {kind!r}; accepted: {', '.join(MODEL_FOLDERS)}")
+        return [self.models_root / folder for folder in MODEL_FOLDERS[kind]]
+
+    def list_models(self, kind: str, extensions: Sequence[str] = MODEL_EXTENSIONS) -> list[str]:
+        """Model files of `kind` as sorted relative posix paths, searched recursively in every folder."""
+        suffixes = tuple(e.lower() for e in extensions)
+        names: set[str] = set()
+        for folder in self.model_dirs(kind):
+            for path in _walk_files(folder):
+                if path.name.lower().endswith(suffixes):
+                    names.add(path.relative_to(folder).as_posix())
+        return sorted(names)
+
+    def resolve_model(self, kind: str, name: str) -> Path:
+        """The file of model `name` (a relative path as list_models returns it) in the folders of `kind`."""
+        folders = self.model_dirs(kind)
+        relative = _safe_relative(name, f"model name {name!r}")
+        for folder in folders:
+            candidate = folder / relative
+            if candidate.is_file():
+                return candidate
+        available = self.list_models(kind)
+        shown = ", ".join(available[:10])
+        if len(available) > 10:
+            shown += f", ... ({len(available) - 10} more)"
+        searched = ", ".join(str(f) for f in folders)
+        raise SettingsError(f"model {name!r} ({kind}) not found; searched: {searched}; "
+                            f"available: {shown or 'no model files there'}")
+
+    def output_path(self, prefix: str, extension: str) -> Path:
+        """A new file path `prefix_00001_.ext` under output_dir; never an existing file, never outside."""
+        relative = _safe_relative(prefix, f"output prefix {prefix!r}")
+        if relative.name in ("", ".") or prefix.endswith(("/", "\\")):
+            raise SettingsError(f"output prefix {prefix!r} has no file name part (e.g. 'portraits/img')")
+        root = self.output_dir.resolve()
+        folder = root / relative.parent
+        if not folder.resolve().is_relative_to(root):
+            raise SettingsError(f"output prefix {prefix!r} leads outside the output folder {root} "
+                                f"(through a symbolic link)")
+        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.resolve().is_relative_to(root):
+            raise SettingsError(f"output prefix {prefix!r} leads outside the output folder {root}")
+        suffix = extension if extension.startswith(".") else f".{extension}"
+        stem = relative.name
+        pattern = re.compile(re.escape(stem) + r"_(\d+)_" + re.escape(suffix) + "$")
+        used = [int(m.group(1)) for entry in os.listdir(folder) if (m := pattern.match(entry))]
+        counter = max(used, default=0) + 1
+        while os.path.lexists(path := folder / f"{stem}_{counter:05d}_{suffix}"):
+            counter += 1
+        return path
+
+
+def _walk_files(folder: Path) -> list[Path]:
+    """Files under `folder`, following symbolic links to folders once each; hidden entries skipped."""
+    files: list[Path] = []
+    seen: set[str] = set()
+    for directory, subdirs, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen:
+            subdirs[:] = []
+            continue
+        seen.add(real)
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        files.extend(Path(directory) / f for f in filenames if not f.startswith("."))
+    return files
+
+
+def _safe_relative(name: str, what: str) -> PurePosixPath:
+    """`name` as a relative path that cannot climb out of the folder it is joined to."""
+    if not isinstance(name, str) or not name.strip():
+        raise SettingsError(f"{what} is empty; expected a relative path such as 'folder/file'")
+    if "\0" in name:
+        raise SettingsError(f"{what} contains a NUL character")
+    path = PurePosixPath(name.replace("\\", "/"))  # workflows written on Windows use backslashes
+    if path.is_absolute() or re.match(r"^[A-Za-z]:", name):
+        raise SettingsError(f"{what} is an absolute path; expected a path relative to its folder")
+    if ".." in path.parts:
+        raise SettingsError(f"{what} contains '..'; expected a path inside its folder")
+    return path
+
+
+def _read_settings_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SettingsError(f"cannot read settings file {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise SettingsError(f"settings file {path} must hold a JSON object, got {type(data).__name__}")
+    for key in PATH_KEYS:
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise SettingsError(f"settings file {path}: {key} must be a path string or null, "
+                                f"got {data[key]!r}")
+    return data
+
+
+def load_settings(models_root: str | Path | None = None, output_dir: str | Path | None = None,
+                  plugins_dir: str | Path | None = None, env: Mapping[str, str] = os.environ,
+                  settings_file: str | Path | None = None) -> Settings:
+    """Settings from flags > environment > settings file > defaults. File paths are relative to the file."""
+    file = Path(settings_file).expanduser() if settings_file is not None else default_settings_file(env)
+    stored = _read_settings_file(file)
+    flags = {"models_root": models_root, "output_dir": output_dir, "plugins_dir": plugins_dir}
+    resolved: dict[str, Path | None] = {}
+    for key in PATH_KEYS:
+        if flags[key] is not None and str(flags[key]) != "":
+            value, base = Path(flags[key]), Path.cwd()
+        elif env.get(ENV_VARS[key]):
+            value, base = Path(env[ENV_VARS[key]]), Path.cwd()
+        elif stored.get(key):
+            value, base = Path(stored[key]), file.parent
+        elif DEFAULTS[key] is not None:
+            value, base = Path(DEFAULTS[key]), Path.cwd()
+        else:
+            resolved[key] = None
+            continue
+        value = value.expanduser()
+        resolved[key] = value if value.is_absolute() else (base / value).absolute()
+    extra = {k: v for k, v in stored.items() if k not in PATH_KEYS}
+    return Settings(resolved["models_root"], resolved["output_dir"], resolved["plugins_dir"], extra)
+
+
+def save_settings(settings: Settings, path: str | Path) -> None:
+    """Write `settings` as the JSON settings file at `path` (atomically, creating its folder)."""
+    path = Path(path).expanduser()
+    data: dict[str, Any] = dict(settings.extra)
+    data["models_root"] = str(settings.models_root)
+    data["output_dir"] = str(settings.output_dir)
+    data["plugins_dir"] = str(settings.plugins_dir) if settings.plugins_dir is not None else None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, path)
