@@ -1,0 +1,531 @@
+"""Lazy checkpoint readers: safetensors, torch zip pickles (.ckpt/.pt/.pth) and GGUF, chosen by magic bytes.
+
+Every reader lists names, shapes, dtypes and byte sizes from the file's header alone; tensor data is read
+only by `get`. Bad files fail with a `CheckpointError` naming the file (and the tensor where one is at fault).
+"""
+
+from __future__ import annotations
+
+import collections
+import difflib
+import io
+import json
+import os
+import pickle
+import struct
+import zipfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read: unknown format, corrupt or truncated data, lying header."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A pickle that asks for something other than tensors and plain containers."""
+
+
+class UnsupportedTensorTypeError(CheckpointError):
+    """A tensor stored in a type this engine cannot turn into a torch tensor yet (quantised GGUF types)."""
+
+
+class MissingTensorError(KeyError):
+    """A tensor name that is not in the file; the message names the file and the closest names."""
+
+    def __init__(self, path: Path, key: str, available: list[str]):
+        matches = difflib.get_close_matches(key, available, n=3, cutoff=0.6)
+        hint = (
+            f"; close matches: {', '.join(matches)}"
+            if matches
+            else f"; the file holds {len(available)} tensors"
+        )
+        self.message = f"no tensor '{key}' in {path}{hint}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]  # torch order (GGUF dims already reversed)
+    type_name: str  # "F32", "F16", "BF16", ... or a GGUF quantised type such as "Q4_K"
+    dtype: torch.dtype | None  # None for quantised GGUF types
+    nbytes: int
+
+
+class CheckpointReader(ABC):
+    """Header-first access to the tensors of one checkpoint file; use as a context manager."""
+
+    format: str
+
+    def __init__(self, path: Path, tensors: dict[str, TensorInfo], metadata: dict[str, str]):
+        self.path = path
+        self._tensors = tensors
+        self._metadata = metadata
+
+    def keys(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, key: str) -> TensorInfo:
+        try:
+            return self._tensors[key]
+        except KeyError:
+            raise MissingTensorError(self.path, key, self.keys()) from None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.info(key).shape
+
+    def type_name(self, key: str) -> str:
+        return self.info(key).type_name
+
+    def dtype(self, key: str) -> torch.dtype:
+        info = self.info(key)
+        if info.dtype is None:
+            raise UnsupportedTensorTypeError(self._unsupported_type_message(key, info.type_name))
+        return info.dtype
+
+    def nbytes(self, key: str) -> int:
+        return self.info(key).nbytes
+
+    def metadata(self) -> dict[str, str]:
+        return dict(self._metadata)
+
+    def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        info = self.info(key)
+        if info.dtype is None:
+            raise UnsupportedTensorTypeError(self._unsupported_type_message(key, info.type_name))
+        return self._load(key, info).to(device)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _unsupported_type_message(self, key: str, type_name: str) -> str:
+        return f"quantised GGUF type {type_name} for tensor {key} is not supported yet (file {self.path})"
+
+    @abstractmethod
+    def _load(self, key: str, info: TensorInfo) -> torch.Tensor: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> CheckpointReader:
+    """Open `path` with the reader its first bytes call for (the extension is not trusted)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file not found: {path}")
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if head[:4] == b"GGUF":
+        return GGUFCheckpointReader(path)
+    if head[:4] == b"PK\x03\x04":
+        return TorchZipReader(path)
+    if head[8:9] == b"{":  # checked before pickles: a header length may start with the byte 0x80
+        return SafetensorsReader(path)
+    if head[:1] == b"\x80":
+        _reject_plain_pickle(path)
+    raise CheckpointError(
+        f"unrecognised checkpoint format: {path} (first bytes {head[:8]!r}); accepted: safetensors, "
+        "GGUF, torch zip checkpoints (.ckpt/.pt/.pth)"
+    )
+
+
+# ---------------------------------------------------------------- safetensors
+
+
+class SafetensorsReader(CheckpointReader):
+    """safetensors: the JSON header is parsed and checked here; data is memory-mapped by `safe_open`."""
+
+    format = "safetensors"
+
+    def __init__(self, path: Path):
+        tensors, metadata = _read_safetensors_header(path)
+        super().__init__(path, tensors, metadata)
+        self._handle: Any = None
+
+    def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle.get_tensor(key)
+
+    def close(self) -> None:
+        self._handle = None
+
+
+def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"truncated safetensors file {path}: {file_size} bytes, no header length")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > min(file_size - 8, MAX_SAFETENSORS_HEADER):
+            raise CheckpointError(
+                f"corrupt safetensors file {path}: header length {header_len} exceeds the file "
+                f"({file_size} bytes)"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"corrupt safetensors file {path}: header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors file {path}: header is not a JSON object")
+    metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+    data_size = file_size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    for key, entry in header.items():
+        tensors[key] = _checked_safetensors_entry(path, key, entry, data_size)
+    return tensors, metadata
+
+
+def _checked_safetensors_entry(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo:
+    try:
+        type_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise CheckpointError(
+            f"corrupt safetensors file {path}: bad header entry for tensor '{key}'"
+        ) from None
+    if type_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"safetensors file {path}: tensor '{key}' has dtype {type_name!r}; accepted: "
+            f"{', '.join(SAFETENSORS_DTYPES)}"
+        )
+    if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)) or end < begin:
+        raise CheckpointError(f"corrupt safetensors file {path}: bad shape or offsets for tensor '{key}'")
+    dtype = SAFETENSORS_DTYPES[type_name]
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != nbytes:
+        raise CheckpointError(
+            f"corrupt safetensors file {path}: tensor '{key}' is {type_name}{list(shape)} ({nbytes} bytes) "
+            f"but its data_offsets [{begin}, {end}] span {end - begin} bytes"
+        )
+    if end > data_size:
+        raise CheckpointError(
+            f"truncated safetensors file {path}: tensor '{key}' ends at byte {end} of the data region, "
+            f"which holds only {data_size} bytes"
+        )
+    return TensorInfo(shape, type_name, dtype, nbytes)
+
+
+# ---------------------------------------------------------------- torch zip pickles
+
+
+STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class _LazyTensor:
+    storage: _StorageRef
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+def _rebuild_tensor(storage: _StorageRef, offset: int, size: tuple, stride: tuple, *_: Any) -> _LazyTensor:
+    return _LazyTensor(storage, int(offset), tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data: _LazyTensor, *_: Any) -> _LazyTensor:
+    return data
+
+
+class _InertObject:
+    """Stands in for a training-time object (a Lightning callback) without importing or running its code."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+ALLOWED_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    # original SD 1.x .ckpt files carry their Lightning checkpoint callback; it becomes an inert placeholder
+    ("pytorch_lightning.callbacks.model_checkpoint", "ModelCheckpoint"): _InertObject,
+    **{("torch", name): _StorageType(dtype) for name, dtype in STORAGE_DTYPES.items()},
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickler that resolves only tensor rebuild functions, storages and OrderedDict; tensors stay lazy."""
+
+    def __init__(self, data: bytes, path: Path):
+        super().__init__(io.BytesIO(data))
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = ALLOWED_GLOBALS.get((module, name))
+        if allowed is None:
+            raise UnsafeCheckpointError(
+                f"refusing to load {self.path}: the file asks for '{module}.{name}'; only tensors and plain "
+                "containers are accepted"
+            )
+        return allowed
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+        ):
+            raise CheckpointError(
+                f"corrupt torch checkpoint {self.path}: unexpected persistent id {pid!r:.80}"
+            )
+        _, storage_type, key, _location, numel = pid
+        return _StorageRef(str(key), storage_type.dtype, int(numel))
+
+
+def _unpickle(data: bytes, path: Path) -> Any:
+    try:
+        return _RestrictedUnpickler(data, path).load()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"corrupt torch checkpoint {path}: cannot unpickle ({exc})") from None
+
+
+def _reject_plain_pickle(path: Path) -> None:
+    """A bare pickle is either torch's legacy (pre-1.6) format or not a checkpoint; neither is read."""
+    with open(path, "rb") as f:
+        first = _unpickle(f.read(1 << 16), path)
+    if isinstance(first, int):
+        raise CheckpointError(
+            f"{path} uses torch's legacy (pre-1.6) serialization, which is not supported; re-save it with "
+            "torch.save or convert it to safetensors"
+        )
+    raise CheckpointError(
+        f"{path} is a bare pickle, not a torch checkpoint; accepted: safetensors, GGUF, torch zip"
+    )
+
+
+class TorchZipReader(CheckpointReader):
+    """torch.save zip archives (data.pkl + data/N) through an allowlisting unpickler; no pickle code runs."""
+
+    format = "torch"
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._zip = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CheckpointError(f"corrupt or truncated torch checkpoint {path}: {exc}") from None
+        try:
+            tensors = self._read_tensor_table()
+        except BaseException:
+            self._zip.close()
+            raise
+        super().__init__(path, tensors, {})
+
+    def _read_tensor_table(self) -> dict[str, TensorInfo]:
+        path = self.path
+        pickles = [n for n in self._zip.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if not pickles:
+            raise CheckpointError(f"{path} is a zip file without data.pkl; it is not a torch checkpoint")
+        self._root = pickles[0][: -len("data.pkl")]
+        try:
+            obj = _unpickle(self._zip.read(pickles[0]), path)
+        except zipfile.BadZipFile as exc:
+            raise CheckpointError(f"corrupt torch checkpoint {path}: {exc}") from None
+        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
+            obj = obj["state_dict"]
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
+        self._lazy = {str(k): v for k, v in obj.items() if isinstance(v, _LazyTensor)}
+        if not self._lazy and obj:
+            raise CheckpointError(
+                f"{path} holds no tensors (top-level keys: {', '.join(map(str, list(obj)[:8]))})"
+            )
+        return {key: self._checked_info(key, lazy) for key, lazy in self._lazy.items()}
+
+    def _checked_info(self, key: str, lazy: _LazyTensor) -> TensorInfo:
+        name = f"{self._root}data/{lazy.storage.key}"
+        try:
+            stored = self._zip.getinfo(name).file_size
+        except KeyError:
+            raise CheckpointError(
+                f"corrupt torch checkpoint {self.path}: tensor '{key}' needs missing {name}"
+            ) from None
+        extent = lazy.offset + sum((s - 1) * st for s, st in zip(lazy.size, lazy.stride, strict=False)) + 1
+        needed = (extent if all(lazy.size) else 0) * lazy.storage.dtype.itemsize
+        if needed > stored:
+            raise CheckpointError(
+                f"corrupt torch checkpoint {self.path}: tensor '{key}' needs {needed} bytes of {name}, "
+                f"which holds {stored}"
+            )
+        dtype = lazy.storage.dtype
+        return TensorInfo(
+            lazy.size, TYPE_NAMES[dtype], dtype, int(np.prod(lazy.size, dtype=np.int64)) * dtype.itemsize
+        )
+
+    def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
+        lazy = self._lazy[key]
+        try:
+            raw = bytearray(self._zip.read(f"{self._root}data/{lazy.storage.key}"))
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CheckpointError(
+                f"corrupt torch checkpoint {self.path}: cannot read tensor '{key}' ({exc})"
+            ) from None
+        storage = (
+            torch.frombuffer(raw, dtype=lazy.storage.dtype)
+            if raw
+            else torch.empty(0, dtype=lazy.storage.dtype)
+        )
+        tensor = storage.as_strided(lazy.size, lazy.stride, lazy.offset)
+        return tensor.clone() if tensor.numel() < storage.numel() else tensor
+
+    def close(self) -> None:
+        self._zip.close()
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _gguf_reader_class() -> type:
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    class CheckedGGUFReader(GGUFReader):
+        """GGUFReader that checks every tensor's data lies inside the file before mapping it."""
+
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            from gguf import GGMLQuantizationType
+
+            for field in fields:
+                _, name_data, _, dims, raw_type, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                qtype = GGMLQuantizationType(int(raw_type[0]))
+                block, type_size = GGML_QUANT_SIZES[qtype]
+                end = int(start_offs + offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_size // block
+                if end > len(self.data):
+                    raise CheckpointError(
+                        f"truncated GGUF file: tensor '{name}' ends at byte {end}, "
+                        f"the file holds {len(self.data)}"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return CheckedGGUFReader
+
+
+GGUF_TORCH_TYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+class GGUFCheckpointReader(CheckpointReader):
+    """GGUF via gguf-py's memory-mapped reader; GGUF dims run innermost-first, torch shapes reverse them."""
+
+    format = "gguf"
+
+    def __init__(self, path: Path):
+        try:
+            self._reader = _gguf_reader_class()(path, "r")
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc} ({path})") from None
+        except Exception as exc:
+            raise CheckpointError(f"corrupt or truncated GGUF file {path}: {exc}") from None
+        self._by_name = {t.name: t for t in self._reader.tensors}
+        tensors = {
+            t.name: TensorInfo(
+                tuple(int(d) for d in reversed(t.shape.tolist())),
+                t.tensor_type.name,
+                GGUF_TORCH_TYPES.get(t.tensor_type.name),
+                int(t.n_bytes),
+            )
+            for t in self._reader.tensors
+        }
+        super().__init__(path, tensors, _gguf_metadata(self._reader))
+
+    def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
+        data = np.array(self._by_name[key].data)  # copy out of the read-only memory map
+        if info.type_name == "BF16":  # gguf-py exposes BF16 as raw bytes
+            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
+        return torch.from_numpy(data).reshape(info.shape)
+
+    def close(self) -> None:
+        self._by_name = {}
+        self._reader = None
+
+
+def _gguf_metadata(reader: Any) -> dict[str, str]:
+    from gguf import GGUFValueType
+
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or len(field.types) != 1:
+            continue
+        if field.types[0] == GGUFValueType.STRING:
+            metadata[name] = bytes(field.parts[-1]).decode("utf-8", "replace")
+        elif field.types[0] != GGUFValueType.ARRAY:
+            metadata[name] = str(field.parts[-1].tolist()[0])
+    return metadata

@@ -1,0 +1,252 @@
+"""CLIP's byte-level BPE tokenizer (Radford et al. 2021) with OpenAI's vocabulary, and prompt chunking.
+
+The merges come from resources/tokenizer/ (see its README.md); the 49408-token vocabulary is built from
+them exactly as OpenAI's `simple_tokenizer.py` does. Text is cleaned like CLIP without ftfy (NFC,
+HTML unescape, whitespace collapsed, lowercase) and split into words by CLIP's pattern
+
+    <|startoftext|>|<|endoftext|>|'s|'t|'re|'ve|'m|'ll|'d|[\\p{L}]+|[\\p{N}]|[^\\s\\p{L}\\p{N}]+
+
+Python's `re` has no `\\p{L}`, and the `regex` package is not a dependency, so `split_words` scans the
+text with the same alternatives using `unicodedata` categories (L* = letter, N* = number).
+
+`tokenize_weighted` turns a prompt with emphasis and `embedding:name` references into 77-token chunks
+(BOS, 75 tokens, EOS, padding) the way ComfyUI does.
+"""
+
+from __future__ import annotations
+
+import gzip
+import html
+import logging
+import re
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache, lru_cache
+from pathlib import Path
+
+import torch
+
+from engine.models.prompt_weights import parse_prompt_weights
+
+logger = logging.getLogger("sluice.tokenizer")
+
+MERGES_PATH = Path(__file__).resolve().parents[2] / "resources" / "tokenizer" / "bpe_simple_vocab_16e6.txt.gz"
+MERGE_COUNT = 49152 - 256 - 2  # merges CLIP uses: vocabulary 49408 = 2 * 256 bytes + merges + 2 specials
+BOS_TOKEN, EOS_TOKEN = "<|startoftext|>", "<|endoftext|>"
+CHUNK_TOKENS = 75  # prompt tokens per chunk; with BOS and EOS a chunk is CLIP's 77-token context
+EMBEDDING_PREFIX = "embedding:"
+EMBEDDING_EXTENSIONS = (".safetensors", ".pt", ".bin")  # stripped from `embedding:name.ext` before lookup
+CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
+PAD_CHOICES = ("eos", "zero")
+
+EmbeddingLookup = Callable[[str], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True, eq=False)
+class EmbeddingVector:
+    """One vector of a textual-inversion embedding standing in a token position of a chunk."""
+
+    name: str  # the embedding's name as looked up
+    index: int  # which of the embedding's vectors this is
+    vector: torch.Tensor  # (width,)
+
+
+Token = int | EmbeddingVector
+WeightedToken = tuple[Token, float]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """CLIP/GPT-2's reversible map of the 256 byte values to printable unicode characters."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    byte_values, code_points = printable[:], printable[:]
+    for byte in range(256):
+        if byte not in printable:
+            byte_values.append(byte)
+            code_points.append(256 + len(code_points) - len(printable))
+    return dict(zip(byte_values, map(chr, code_points), strict=True))
+
+
+@cache
+def load_merges(path: Path = MERGES_PATH) -> tuple[tuple[str, str], ...]:
+    """The first MERGE_COUNT merge rules of a gzipped CLIP merges file (line 0 is a version header)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"CLIP merges file not found: {path}; expected bpe_simple_vocab_16e6.txt.gz")
+    lines = gzip.open(path, "rt", encoding="utf-8").read().split("\n")[1:MERGE_COUNT + 1]
+    merges = tuple(tuple(line.split()) for line in lines)
+    if len(merges) != MERGE_COUNT or any(len(merge) != 2 for merge in merges):
+        raise ValueError(f"{path} is not a CLIP merges file: expected {MERGE_COUNT} lines of two symbols")
+    return merges
+
+
+def build_vocab(merges: tuple[tuple[str, str], ...]) -> list[str]:
+    """Token strings by id: bytes, bytes + '</w>', merged symbols, then BOS and EOS (49408 for CLIP)."""
+    byte_chars = list(bytes_to_unicode().values())
+    merged = ["".join(merge) for merge in merges]
+    return [*byte_chars, *(c + "</w>" for c in byte_chars), *merged, BOS_TOKEN, EOS_TOKEN]
+
+
+def _is_letter(char: str) -> bool:
+    return unicodedata.category(char).startswith("L")
+
+
+def _is_number(char: str) -> bool:
+    return unicodedata.category(char).startswith("N")
+
+
+def split_words(text: str) -> list[str]:
+    """CLIP's pre-tokenisation: the matches of its word pattern, alternatives tried in order."""
+    words, i = [], 0
+    while i < len(text):
+        char = text[i]
+        special = next((s for s in (BOS_TOKEN, EOS_TOKEN) if text.startswith(s, i)), None)
+        contraction = next((c for c in CONTRACTIONS if text.startswith(c, i)), None)
+        end = i + 1
+        if special or contraction:
+            end = i + len(special or contraction)
+        elif _is_letter(char):
+            while end < len(text) and _is_letter(text[end]):
+                end += 1
+        elif _is_number(char):
+            pass
+        elif char.isspace():
+            i += 1
+            continue
+        else:
+            while end < len(text) and not (text[end].isspace() or _is_letter(text[end])
+                                           or _is_number(text[end])):
+                end += 1
+        words.append(text[i:end])
+        i = end
+    return words
+
+
+def clean_text(text: str) -> str:
+    """CLIP's basic_clean + whitespace_clean without ftfy: NFC, HTML unescaped twice, one space, lowercase."""
+    text = html.unescape(html.unescape(unicodedata.normalize("NFC", text)))
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+class CLIPTokenizer:
+    """CLIP BPE tokenizer; `pad_with="eos"` pads like CLIP-L (SD1), `"zero"` like OpenCLIP (SD2, SDXL's G)."""
+
+    def __init__(self, pad_with: str = "eos", merges_path: Path = MERGES_PATH):
+        if pad_with not in PAD_CHOICES:
+            raise ValueError(f"unknown pad_with {pad_with!r}; accepted: {', '.join(PAD_CHOICES)}")
+        merges = load_merges(Path(merges_path))
+        self.vocab = build_vocab(merges)  # token string by id
+        self.token_ids = {token: index for index, token in enumerate(self.vocab)}
+        self.merge_ranks = {merge: rank for rank, merge in enumerate(merges)}
+        self.byte_encoder = bytes_to_unicode()
+        self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}
+        self.bos_id = self.token_ids[BOS_TOKEN]  # 49406
+        self.eos_id = self.token_ids[EOS_TOKEN]  # 49407
+        self.pad_id = self.eos_id if pad_with == "eos" else 0
+        self.bpe = lru_cache(maxsize=65536)(self._bpe)
+
+    def _bpe(self, word: str) -> tuple[str, ...]:
+        """Byte-pair encoding of one pre-tokenised word: apply the lowest-ranked merge until none applies."""
+        if word in (BOS_TOKEN, EOS_TOKEN):
+            return (word,)
+        symbols = [*word[:-1], word[-1] + "</w>"]
+        while len(symbols) > 1:
+            pairs = set(zip(symbols, symbols[1:], strict=False))
+            best = min(pairs, key=lambda pair: self.merge_ranks.get(pair, len(self.merge_ranks)))
+            if best not in self.merge_ranks:
+                break
+            merged, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    merged.append(symbols[i] + symbols[i + 1])
+                    i += 2
+                else:
+                    merged.append(symbols[i])
+                    i += 1
+            symbols = merged
+        return tuple(symbols)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, without BOS and EOS."""
+        ids = []
+        for word in split_words(clean_text(text)):
+            byte_word = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
+            ids.extend(self.token_ids[symbol] for symbol in self.bpe(byte_word))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids: '</w>' becomes a space; invalid UTF-8 is replaced."""
+        bad = [i for i in ids if not 0 <= i < len(self.vocab)]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:10]} out of range; accepted: 0..{len(self.vocab) - 1}")
+        chars = "".join(self.vocab[i] for i in ids)
+        text = bytes(self.byte_decoder[c] for c in chars).decode("utf-8", errors="replace")
+        return text.replace("</w>", " ").strip()
+
+    def tokenize_weighted(self, text: str, embedding_lookup: EmbeddingLookup | None = None,
+                          max_word_length: int = CHUNK_TOKENS) -> list[list[WeightedToken]]:
+        """Chunks of 77 (token, weight) pairs: BOS, up to 75 prompt tokens, EOS, pads (ComfyUI's layout).
+
+        A word (whitespace-separated, or one embedding) that does not fit in the current chunk moves whole to
+        the next one; only a word of more than `max_word_length` tokens (or more than a chunk) is cut to fill
+        the chunk. ComfyUI keeps whole only words of fewer than 8 tokens (`max_word_length=7` here).
+        """
+        words = self._weighted_words(text, embedding_lookup)
+        chunks: list[list[WeightedToken]] = []
+        chunk: list[WeightedToken] = []
+        for word in words:
+            while word:
+                room = CHUNK_TOKENS - len(chunk)
+                if len(word) <= room:
+                    chunk.extend(word)
+                    word = []
+                elif len(word) > max_word_length or not chunk:  # cut: too long to keep whole
+                    chunk.extend(word[:room])
+                    word = word[room:]
+                    chunks.append(chunk)
+                    chunk = []
+                else:
+                    chunks.append(chunk)
+                    chunk = []
+        chunks.append(chunk)
+        return [self._frame(chunk) for chunk in chunks]
+
+    def _frame(self, tokens: list[WeightedToken]) -> list[WeightedToken]:
+        padding = [(self.pad_id, 1.0)] * (CHUNK_TOKENS - len(tokens))
+        return [(self.bos_id, 1.0), *tokens, (self.eos_id, 1.0), *padding]
+
+    def _weighted_words(self, text: str, embedding_lookup: EmbeddingLookup | None
+                        ) -> list[list[WeightedToken]]:
+        """The prompt's words as lists of (token, weight), embedding references replaced by their vectors."""
+        words = []
+        for segment, weight in parse_prompt_weights(text):
+            for word in segment.split():
+                if word.startswith(EMBEDDING_PREFIX):
+                    reference, comma, rest = word[len(EMBEDDING_PREFIX):].partition(",")
+                    vectors = self._embedding_vectors(reference, embedding_lookup)
+                    if vectors is not None:
+                        words.append([(vector, weight) for vector in vectors])
+                        word = comma + rest
+                tokens = [(token, weight) for token in self.encode(word)]
+                if tokens:
+                    words.append(tokens)
+        return words
+
+    def _embedding_vectors(self, reference: str, embedding_lookup: EmbeddingLookup | None
+                           ) -> list[EmbeddingVector] | None:
+        """The vectors of embedding `reference` (`name` or `name.ext`); None, with a warning, if unknown."""
+        name = reference
+        for extension in EMBEDDING_EXTENSIONS:
+            if name.endswith(extension) and len(name) > len(extension):
+                name = name[: -len(extension)]
+        tensor = embedding_lookup(name) if embedding_lookup is not None and name else None
+        if tensor is None:
+            logger.warning("embedding %r not found; keeping '%s%s' as text", name, EMBEDDING_PREFIX,
+                           reference)
+            return None
+        if tensor.ndim == 1:
+            tensor = tensor[None]  # (1, width)
+        if tensor.ndim != 2:
+            raise ValueError(f"embedding {name!r} has shape {tuple(tensor.shape)}; accepted: (width,) or "
+                             "(n_vectors, width)")
+        return [EmbeddingVector(name, index, row) for index, row in enumerate(tensor)]
