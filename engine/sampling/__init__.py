@@ -1,0 +1,6 @@
+"""Sampling: k-diffusion-style samplers and schedulers, classifier-free guidance, the KSampler job.
+
+model_sampling (sigma tables, eps/v/flow parametrisations, Denoiser), schedulers (+ schedule_tables),
+samplers / samplers_multistep / samplers_sde / samplers_dpm_solver (one function per sampler), registry
+(names -> functions), guidance (CFGDenoiser), noise (seeded noise), preview (latent -> RGB), sample (the job).
+"""

@@ -1,0 +1,178 @@
+"""How a diffusion model's timesteps map to noise levels, and how its output becomes a denoised x0.
+
+Everything here follows the k-diffusion convention (Karras et al. 2022, "Elucidating the Design Space
+of Diffusion-Based Generative Models"): a sample at noise level sigma is `x = x0 + sigma * noise`, and a
+denoiser maps `(x, sigma)` to an estimate of `x0`. `Denoiser` turns a UNet-style network (which sees a
+scaled input and an integer-like timestep) into such a denoiser.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+def scaled_linear_betas(linear_start: float = 0.00085, linear_end: float = 0.012,
+                        timesteps: int = 1000) -> torch.Tensor:
+    """The "scaled linear" beta schedule of Stable Diffusion (LDM): linear in sqrt(beta)."""
+    return torch.linspace(linear_start ** 0.5, linear_end ** 0.5, timesteps, dtype=torch.float64) ** 2
+
+
+class DiscreteSchedule:
+    """A discrete-time VP schedule (DDPM) seen as a table of k-diffusion sigmas, one per timestep."""
+
+    def __init__(self, betas: torch.Tensor | None = None, linear_start: float = 0.00085,
+                 linear_end: float = 0.012, timesteps: int = 1000, quantize: bool = True):
+        if betas is None:
+            betas = scaled_linear_betas(linear_start, linear_end, timesteps)
+        betas = torch.as_tensor(betas, dtype=torch.float64)
+        if betas.ndim != 1 or len(betas) < 2 or not bool(((betas > 0) & (betas < 1)).all()):
+            raise ValueError(f"betas must be a 1-D tensor of at least 2 values in (0, 1); got shape "
+                             f"{tuple(betas.shape)}")
+        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        self.sigmas = ((1 - self.alphas_cumprod) / self.alphas_cumprod).sqrt().float()  # (T,) ascending
+        self.log_sigmas = self.sigmas.log()
+        self.quantize = quantize  # timestep() rounds to the nearest trained timestep, as ComfyUI does
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.sigmas[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.sigmas[-1]
+
+    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+        """Timestep whose log-sigma interpolates the table (k-diffusion DiscreteSchedule); on the CPU."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32).cpu()
+        log_sigma = sigma.log()
+        dists = log_sigma - self.log_sigmas[:, None]  # (T, N)
+        if quantize:
+            return dists.abs().argmin(dim=0).view(sigma.shape).float()
+        low_idx = dists.ge(0).cumsum(dim=0).argmax(dim=0).clamp(max=len(self.log_sigmas) - 2)
+        high_idx = low_idx + 1
+        low, high = self.log_sigmas[low_idx], self.log_sigmas[high_idx]
+        w = ((low - log_sigma.flatten()) / (low - high)).clamp(0, 1)
+        return ((1 - w) * low_idx + w * high_idx).view(sigma.shape)
+
+    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
+        """Sigma at a (fractional) timestep, interpolating log-sigma linearly; on the CPU."""
+        t = torch.as_tensor(t, dtype=torch.float32).cpu().clamp(0, len(self.sigmas) - 1)
+        low_idx, high_idx, w = t.floor().long(), t.ceil().long(), t.frac()
+        return ((1 - w) * self.log_sigmas[low_idx] + w * self.log_sigmas[high_idx]).exp()
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        """The timestep the network is conditioned on for this sigma."""
+        return self.sigma_to_t(sigma, quantize=self.quantize)
+
+
+def _expand(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Reshape a per-batch (or scalar) sigma to broadcast over x: (B,) -> (B, 1, 1, 1)."""
+    sigma = torch.as_tensor(sigma, dtype=x.dtype, device=x.device)
+    return sigma.reshape(sigma.shape[:1] + (1,) * (x.ndim - 1)) if sigma.ndim else sigma
+
+
+class EpsPrediction(DiscreteSchedule):
+    """A network that predicts the noise epsilon (Ho et al. 2020): c_skip = 1, c_out = -sigma."""
+
+    sigma_data = 1.0
+
+    def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x / (_expand(sigma, x) ** 2 + self.sigma_data ** 2).sqrt()
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        return x - model_output * _expand(sigma, x)
+
+    def noise_scaling(self, sigma: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor,
+                      max_denoise: bool = False) -> torch.Tensor:
+        """Noise the latent to level sigma; at full denoise ComfyUI scales by sqrt(1 + sigma^2)."""
+        sigma = _expand(sigma, noise)
+        scale = (1.0 + sigma ** 2).sqrt() if max_denoise else sigma
+        return latent + noise * scale
+
+    def inverse_noise_scaling(self, sigma: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        return latent
+
+
+class VPrediction(EpsPrediction):
+    """A network that predicts v (Salimans & Ho 2022), with the scalings of Karras et al. (2022)."""
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        sigma = _expand(sigma, x)
+        c_skip = self.sigma_data ** 2 / (sigma ** 2 + self.sigma_data ** 2)
+        c_out = -sigma * self.sigma_data / (sigma ** 2 + self.sigma_data ** 2).sqrt()
+        return c_skip * x + c_out * model_output
+
+
+class FlowMatching:
+    """Rectified flow (Esser et al. 2024): x = (1 - t) x0 + t noise, sigma = shift-warped t, out = v."""
+
+    def __init__(self, shift: float = 1.0, multiplier: float = 1000.0, timesteps: int = 1000):
+        if shift <= 0:
+            raise ValueError(f"flow shift must be > 0; got {shift}")
+        self.shift, self.multiplier = shift, multiplier
+        self.sigmas = self.t_to_sigma(torch.arange(1, timesteps + 1, dtype=torch.float32))
+
+    @property
+    def sigma_min(self) -> torch.Tensor:
+        return self.sigmas[0]
+
+    @property
+    def sigma_max(self) -> torch.Tensor:
+        return self.sigmas[-1]
+
+    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
+        t = torch.as_tensor(t, dtype=torch.float32) / self.multiplier
+        return self.shift * t / (1 + (self.shift - 1) * t)
+
+    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32)
+        return sigma / (self.shift - (self.shift - 1) * sigma) * self.multiplier
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(sigma, dtype=torch.float32) * self.multiplier
+
+    def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        return x - model_output * _expand(sigma, x)
+
+    def noise_scaling(self, sigma: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor,
+                      max_denoise: bool = False) -> torch.Tensor:
+        sigma = _expand(sigma, noise)
+        return sigma * noise + (1.0 - sigma) * latent
+
+    def inverse_noise_scaling(self, sigma: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        return latent / (1.0 - _expand(sigma, latent))
+
+
+ModelSampling = EpsPrediction | VPrediction | FlowMatching
+
+UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None) -> model output
+
+
+@dataclass
+class Denoiser:
+    """Wraps `unet_fn(x_in, timesteps, context, y=None)` into a k-diffusion denoiser `(x, sigma) -> x0`."""
+
+    unet_fn: UnetFn
+    model_sampling: ModelSampling
+
+    def __call__(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor | None = None,
+                 y: torch.Tensor | None = None, **extra: object) -> torch.Tensor:
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # (B,)
+        x_in = self.model_sampling.calculate_input(sigma, x)
+        timesteps = self.model_sampling.timestep(sigma.cpu()).to(x.device)
+        model_output = self.unet_fn(x_in, timesteps, context, y=y)
+        return self.model_sampling.calculate_denoised(sigma, model_output.to(x.dtype), x)
+
+
+def max_denoise(model_sampling: ModelSampling, sigmas: torch.Tensor) -> bool:
+    """True when sampling starts at (or above) the model's largest sigma, i.e. from pure noise."""
+    sigma, sigma_max = float(sigmas[0]), float(model_sampling.sigma_max)
+    return math.isclose(sigma_max, sigma, rel_tol=1e-05) or sigma > sigma_max

@@ -1,0 +1,37 @@
+"""Cheap live previews: project a model-space latent to RGB with a fixed 4x3 linear map (no VAE).
+
+The factors are ComfyUI's latent_rgb_factors (comfy/latent_formats.py, classes SD15 and SDXL), applied,
+as ComfyUI's Latent2RGBPreviewer does, to the denoised latent in the space the model samples in.
+"""
+
+import numpy as np
+import torch
+
+LATENT_RGB_FACTORS: dict[str, list[list[float]]] = {
+    "sd1": [[0.3512, 0.2297, 0.3227],  # rows: latent channels; columns: R, G, B
+            [0.3250, 0.4974, 0.2350],
+            [-0.2829, 0.1762, 0.2721],
+            [-0.2120, -0.2616, -0.7177]],
+    "sdxl": [[0.3651, 0.4232, 0.4341],
+             [-0.2533, -0.0042, 0.1068],
+             [0.1076, 0.1111, -0.0362],
+             [-0.3165, -0.2492, -0.2188]],
+}
+LATENT_RGB_BIAS: dict[str, list[float]] = {"sd1": [0.0, 0.0, 0.0], "sdxl": [0.1084, -0.0175, -0.0011]}
+
+
+def latent_to_rgb(latent: torch.Tensor, family: str = "sd1") -> np.ndarray:
+    """(C, H, W) or (B, C, H, W) latent (first item used) -> (H, W, 3) uint8 preview."""
+    key = family.lower()
+    if key not in LATENT_RGB_FACTORS:
+        raise ValueError(f"no latent preview factors for model family '{family}'; accepted: "
+                         f"{', '.join(LATENT_RGB_FACTORS)}")
+    if latent.ndim == 4:
+        latent = latent[0]
+    factors = torch.tensor(LATENT_RGB_FACTORS[key])  # (C, 3)
+    if latent.ndim != 3 or latent.shape[0] != factors.shape[0]:
+        raise ValueError(f"preview needs a ({factors.shape[0]}, H, W) latent for '{family}'; got shape "
+                         f"{tuple(latent.shape)}")
+    rgb = torch.einsum("chw,cr->hwr", latent.detach().float().cpu(), factors)  # (H, W, 3)
+    rgb = rgb + torch.tensor(LATENT_RGB_BIAS[key])
+    return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).to(torch.uint8).numpy()

@@ -1,0 +1,86 @@
+"""The KSampler / KSamplerAdvanced job: sigmas, initial noise, guidance, sampler, progress.
+
+Semantics follow ComfyUI (nodes.common_ksampler, comfy.samplers.KSampler): `denoise < 1` computes
+`int(steps / denoise)` sigmas and keeps the last `steps + 1`; `start_step` / `end_step` slice them;
+the noise is scaled into the latent by the model's `noise_scaling` (sqrt(1 + sigma^2) when starting
+from the model's sigma_max, sigma otherwise). The latent is in the model's space (already multiplied
+by the VAE scale factor).
+"""
+
+import inspect
+from collections.abc import Callable
+
+import torch
+
+from .guidance import CFGDenoiser, Conditioning
+from .model_sampling import Denoiser, max_denoise
+from .noise import default_noise_sampler, prepare_noise
+from .preview import latent_to_rgb
+from .registry import resolve_sampler
+from .schedulers import calculate_sigmas
+
+
+def ksampler_sigmas(model_sampling, scheduler: str, steps: int, denoise: float = 1.0,
+                    start_step: int | None = None, end_step: int | None = None,
+                    return_with_leftover_noise: bool = False, family: str | None = None,
+                    custom_sigmas=None) -> torch.Tensor:
+    """The sigmas a KSampler(Advanced) runs; empty when there is nothing to do (denoise 0, start >= end)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    if not 0.0 <= denoise <= 1.0:
+        raise ValueError(f"denoise must be in [0, 1]; got {denoise}")
+    for label, value in (("start_step", start_step), ("end_step", end_step)):
+        if value is not None and value < 0:
+            raise ValueError(f"{label} must be >= 0; got {value}")
+    if denoise <= 0.0:
+        return torch.zeros(0)
+    if denoise > 0.9999:
+        sigmas = calculate_sigmas(scheduler, model_sampling, steps, family, custom_sigmas)
+    else:
+        total = int(steps / denoise)
+        sigmas = calculate_sigmas(scheduler, model_sampling, total, family, custom_sigmas)[-(steps + 1):]
+    if end_step is not None and end_step < len(sigmas) - 1:
+        sigmas = sigmas[:end_step + 1].clone()
+        if not return_with_leftover_noise:
+            sigmas[-1] = 0.0
+    if start_step is not None:
+        sigmas = sigmas[start_step:] if start_step < len(sigmas) - 1 else torch.zeros(0)
+    return sigmas
+
+
+def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negative: Conditioning | None,
+           cfg: float, sampler: str, scheduler: str, steps: int, seed: int, denoise: float = 1.0,
+           add_noise: bool = True, start_step: int | None = None, end_step: int | None = None,
+           return_with_leftover_noise: bool = False, callback: Callable[[dict], None] | None = None,
+           check_interrupt: Callable[[], None] | None = None,
+           preview: Callable[[int, object], None] | None = None, family: str = "sd1",
+           custom_sigmas=None, sampler_options: dict | None = None) -> torch.Tensor:
+    """Run one KSampler(Advanced) job on a (B, C, H, W) model-space latent; returns the sampled latent.
+
+    `callback(info)` gets the sampler's per-step dict plus "total"; `check_interrupt()` runs before every
+    model call (raise from it to abort within one step); `preview(step, rgb)` gets an (H, W, 3) uint8
+    projection of the step's denoised latent for `family`.
+    """
+    model_sampling = model.model_sampling
+    sampler_fn = resolve_sampler(sampler)
+    sigmas = ksampler_sigmas(model_sampling, scheduler, steps, denoise, start_step, end_step,
+                             return_with_leftover_noise, family, custom_sigmas)
+    if len(sigmas) < 2:
+        return latent.clone()
+    sigmas = sigmas.to(latent.device)
+    noise = prepare_noise(latent, seed).to(latent.device) if add_noise else torch.zeros_like(latent)
+    x = model_sampling.noise_scaling(sigmas[0], noise, latent, max_denoise(model_sampling, sigmas))
+    guided = CFGDenoiser(model, positive, negative, cfg, check_interrupt=check_interrupt)
+    total = len(sigmas) - 1
+
+    def on_step(info: dict) -> None:
+        if callback is not None:
+            callback({**info, "total": total})
+        if preview is not None:
+            preview(info["i"], latent_to_rgb(info["denoised"], family))
+
+    options = dict(sampler_options or {})
+    if "noise_sampler" in inspect.signature(sampler_fn).parameters:
+        options.setdefault("noise_sampler", default_noise_sampler(x, seed))
+    samples = sampler_fn(guided, x, sigmas, extra_args={}, callback=on_step, disable=True, **options)
+    return model_sampling.inverse_noise_scaling(sigmas[-1], samples)

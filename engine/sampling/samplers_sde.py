@@ -1,0 +1,162 @@
+"""Stochastic (SDE) samplers. Same conventions as samplers.py.
+
+ComfyUI drives these with a torchsde Brownian tree; here the seeded Gaussian `noise_sampler` of
+noise.py supplies independent increments per step (same law, different draws; see noise.py).
+"""
+
+import torch
+
+from .noise import NoiseSampler, default_noise_sampler
+from .samplers import Callback, get_ancestral_step
+
+
+@torch.no_grad()
+def sample_dpmpp_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                     s_noise=1.0, noise_sampler: NoiseSampler | None = None, r=1 / 2):
+    """DPM-Solver++ (stochastic), the two-stage SDE variant of k-diffusion (Lu et al. 2022b)."""
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    s_in = x.new_ones([x.shape[0]])
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+            continue
+        t, t_next = -sigmas[i].log(), -sigmas[i + 1].log()  # t = -log sigma
+        s = t + (t_next - t) * r
+        sigma_s = (-s).exp()
+        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigma_s, eta)  # stage 1 to sigma_s
+        x_2 = (sigma_down / sigmas[i]) * x - torch.expm1(sigma_down.log() - sigmas[i].log()) * denoised
+        x_2 = x_2 + noise_sampler(sigmas[i], sigma_s) * s_noise * sigma_up
+        denoised_2 = model(x_2, sigma_s * s_in, **extra_args)
+        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta)  # stage 2 to sigma_next
+        fac = 1 / (2 * r)
+        denoised_d = (1 - fac) * denoised + fac * denoised_2
+        x = (sigma_down / sigmas[i]) * x - torch.expm1(sigma_down.log() - sigmas[i].log()) * denoised_d
+        x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+    return x
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                        s_noise=1.0, noise_sampler: NoiseSampler | None = None, solver_type="midpoint"):
+    """DPM-Solver++(2M) SDE (Lu et al. 2022b), midpoint or heun second-order correction."""
+    if solver_type not in {"heun", "midpoint"}:
+        raise ValueError(f"solver_type must be 'heun' or 'midpoint'; got '{solver_type}'")
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    s_in = x.new_ones([x.shape[0]])
+    old_denoised, h_last, h = None, None, None
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+        else:
+            h = sigmas[i].log() - sigmas[i + 1].log()
+            eta_h = eta * h
+            x = sigmas[i + 1] / sigmas[i] * (-eta_h).exp() * x - torch.expm1(-h - eta_h) * denoised
+            if old_denoised is not None:
+                r = h_last / h
+                if solver_type == "heun":
+                    coeff = -torch.expm1(-h - eta_h) / (-h - eta_h) + 1
+                else:
+                    coeff = -0.5 * torch.expm1(-h - eta_h)
+                x = x + coeff * (1 / r) * (denoised - old_denoised)
+            if eta:
+                x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * sigmas[i + 1] * \
+                    (-torch.expm1(-2 * eta_h)).sqrt() * s_noise
+        old_denoised, h_last = denoised, h
+    return x
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde_heun(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                             eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """DPM-Solver++(2M) SDE with the heun correction (Lu et al. 2022b)."""
+    return sample_dpmpp_2m_sde(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler,
+                               solver_type="heun")
+
+
+@torch.no_grad()
+def sample_dpmpp_3m_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                        s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """DPM-Solver++(3M) SDE (Lu et al. 2022b; k-diffusion's third-order multistep SDE)."""
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    s_in = x.new_ones([x.shape[0]])
+    denoised_1, denoised_2, h, h_1, h_2 = None, None, None, None, None
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+        else:
+            h = sigmas[i].log() - sigmas[i + 1].log()
+            h_eta = h * (eta + 1)
+            x = torch.exp(-h_eta) * x - torch.expm1(-h_eta) * denoised
+            phi_2 = torch.expm1(-h_eta) / h_eta + 1
+            if h_2 is not None:
+                r0, r1 = h_1 / h, h_2 / h
+                d1_0, d1_1 = (denoised - denoised_1) / r0, (denoised_1 - denoised_2) / r1
+                d1 = d1_0 + (d1_0 - d1_1) * r0 / (r0 + r1)
+                d2 = (d1_0 - d1_1) / (r0 + r1)
+                x = x + phi_2 * d1 - (phi_2 / h_eta - 0.5) * d2
+            elif h_1 is not None:
+                x = x + phi_2 * (denoised - denoised_1) / (h_1 / h)
+            if eta:
+                x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * sigmas[i + 1] * \
+                    (-torch.expm1(-2 * h * eta)).sqrt() * s_noise
+        denoised_1, denoised_2 = denoised, denoised_1
+        h_1, h_2 = h, h_1
+    return x
+
+
+def _er_sde_noise_scaler(x: torch.Tensor) -> torch.Tensor:
+    """The default noise scale function of ER-SDE-Solver (Cui et al. 2023, eq. 21)."""
+    return x * ((x ** 0.3).exp() + 10.0)
+
+
+@torch.no_grad()
+def sample_er_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_noise=1.0,
+                  noise_sampler: NoiseSampler | None = None, max_stage=3):
+    """Extended reverse-time SDE solver, up to third order (Cui et al. 2023, arXiv:2309.06169)."""
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    s_in = x.new_ones([x.shape[0]])
+    points = torch.arange(200, dtype=torch.float64)  # for the numerical integrals of stages 2-3
+    lambdas = sigmas.double().cpu()  # ER-SDE lambda = sigma for a VE (k-diffusion) model
+    old_denoised, old_denoised_d = None, None
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        stage = min(max_stage, i + 1)
+        if sigmas[i + 1] == 0:
+            x = denoised
+        else:
+            lam_s, lam_t = lambdas[i], lambdas[i + 1]
+            r = float(_er_sde_noise_scaler(lam_t) / _er_sde_noise_scaler(lam_s))
+            x = r * x + (1 - r) * denoised
+            if stage >= 2:
+                dt = lam_t - lam_s
+                step = -dt / len(points)
+                positions = lam_t + points * step
+                scaled = _er_sde_noise_scaler(positions)
+                s = torch.sum(1 / scaled) * step
+                denoised_d = (denoised - old_denoised) / float(lam_s - lambdas[i - 1])
+                x = x + float(dt + s * _er_sde_noise_scaler(lam_t)) * denoised_d
+                if stage >= 3:
+                    s_u = torch.sum((positions - lam_s) / scaled) * step
+                    denoised_u = (denoised_d - old_denoised_d) / float((lam_s - lambdas[i - 2]) / 2)
+                    x = x + float((dt ** 2) / 2 + s_u * _er_sde_noise_scaler(lam_t)) * denoised_u
+                old_denoised_d = denoised_d
+            if s_noise > 0:
+                noise_std = float((lam_t ** 2 - lam_s ** 2 * r ** 2).clamp(min=0).sqrt())
+                x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * noise_std
+        old_denoised = denoised
+    return x
