@@ -1,0 +1,238 @@
+"""The ledger of one device: managed budget, reserve, and the weights and workspaces tracked per module.
+
+Capacity rules of reference/000 and /001: a positive `--max-vram` is a managed budget from which every
+tracked allocation (weights and workspaces of every module sharing the device) is deducted; live free
+memory can lower the limit further, keeping `reserve_bytes` (512 MiB) of it for scratch buffers, and a
+free-memory report is capped by the device's total minus what is tracked. Allocations are checked here
+before torch allocates anything, so going over the budget is a clear `BudgetExceeded`, not an OOM.
+
+Workspaces can be idle (kept for reuse between segments); re-allocating an idle workspace of the same key
+and no larger size costs nothing, and idle workspaces are the first thing the weight store reclaims.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import telemetry
+from engine.devices import GIB, ComputeDevice, memory_info
+
+MIB = 1024**2
+DEFAULT_RESERVE = 512 * MIB
+KINDS = ("weights", "workspace")
+
+FreeMemoryFn = Callable[[], tuple[int, int]]  # () -> (total_bytes, free_bytes)
+
+
+class BudgetExceeded(MemoryError):
+    """An allocation (or a stage of a segment plan) that does not fit the device's managed budget."""
+
+
+@dataclass
+class _Allocation:
+    nbytes: int
+    idle: bool = False  # workspaces only: not in use, reclaimable
+
+
+def resolve_budget(
+    spec_value: float | None, device: ComputeDevice, free_memory_fn: FreeMemoryFn | None = None
+) -> int | None:
+    """Budget bytes for a `--max-vram` GiB value: positive = that budget, 0 or None = no managed budget
+    (live free memory only), negative = free memory now minus that many GiB (a snapshot at startup)."""
+    if spec_value is None or spec_value == 0:
+        return None
+    if spec_value > 0:
+        return int(spec_value * GIB)
+    _, free = (free_memory_fn or (lambda: memory_info(device)))()
+    return max(0, free - int(-spec_value * GIB))
+
+
+def live_free_memory(device: ComputeDevice) -> FreeMemoryFn:
+    """The free-memory report of `device`; on CUDA, blocks cached by torch's allocator count as free."""
+
+    def report() -> tuple[int, int]:
+        total, free = memory_info(device)
+        if device.torch_device.type == "cuda":
+            import torch
+
+            stats = torch.cuda.memory_stats_as_nested_dict(
+                device.torch_device
+            )  # the flat form is 100x slower
+            free += stats["reserved_bytes"]["all"]["current"] - stats["allocated_bytes"]["all"]["current"]
+        return total, free
+
+    return report
+
+
+class DeviceLedger:
+    def __init__(
+        self,
+        device_name: str,
+        budget_bytes: int | None,
+        reserve_bytes: int = DEFAULT_RESERVE,
+        free_memory_fn: FreeMemoryFn | None = None,
+        bus: telemetry.EventBus | None = None,
+    ) -> None:
+        """`budget_bytes` None = no managed budget; `free_memory_fn` None = no live limit (budget only)."""
+        if budget_bytes is None and free_memory_fn is None:
+            raise ValueError(
+                f"device {device_name!r}: a ledger needs a budget, a free-memory report, or both"
+            )
+        self.device_name = device_name
+        self.budget_bytes = budget_bytes
+        self.reserve_bytes = reserve_bytes
+        self.free_memory_fn = free_memory_fn
+        self.bus = bus or telemetry.bus
+        self.peak_tracked = 0
+        self._lock = threading.RLock()
+        self._tracked: dict[tuple[str, str, str], _Allocation] = {}  # (module, kind, key) -> allocation
+        self._live: tuple[int, int, int] | None = None  # (total, free, tracked) at the last refresh
+
+    @classmethod
+    def for_device(
+        cls,
+        device: ComputeDevice,
+        max_vram_gib: float | None,
+        reserve_bytes: int = DEFAULT_RESERVE,
+        bus: telemetry.EventBus | None = None,
+    ) -> DeviceLedger:
+        """A ledger of a real device: budget from `--max-vram` semantics, live free memory from the device."""
+        free_fn = live_free_memory(device)
+        return cls(device.name, resolve_budget(max_vram_gib, device, free_fn), reserve_bytes, free_fn, bus)
+
+    def tracked(self, module: str | None = None, kind: str | None = None) -> int:
+        """Tracked bytes, optionally of one module and/or kind."""
+        with self._lock:
+            return sum(
+                a.nbytes
+                for (m, k, _), a in self._tracked.items()
+                if (module is None or m == module) and (kind is None or k == kind)
+            )
+
+    def refresh(self) -> None:
+        """Read the device's free memory now; until the next refresh, tracked changes update the reading.
+
+        The runner refreshes once per run (reference/000: live free memory lowers the limit of each graph
+        run), which keeps the allocator and driver queries out of the per-tensor path.
+        """
+        if self.free_memory_fn is not None:
+            total, free = self.free_memory_fn()
+            with self._lock:
+                self._live = (total, free, self.tracked())
+
+    def free(self) -> int | None:
+        """Live free bytes (capped by total minus tracked), or None without a free-memory report."""
+        if self.free_memory_fn is None:
+            return None
+        if self._live is None:
+            self.refresh()
+        total, free_then, tracked_then = self._live
+        tracked = self.tracked()
+        return min(free_then - (tracked - tracked_then), total - tracked)
+
+    def available(self) -> int:
+        """Bytes a new allocation may take: min(budget - tracked, live free - reserve), never negative."""
+        with self._lock:
+            limits = []
+            if self.budget_bytes is not None:
+                limits.append(self.budget_bytes - self.tracked())
+            free = self.free()
+            if free is not None:
+                limits.append(free - self.reserve_bytes)
+            return max(0, min(limits))
+
+    def would_fit(self, nbytes: int) -> bool:
+        return nbytes <= self.available()
+
+    def allocate(self, module: str, kind: str, key: str, nbytes: int) -> None:
+        """Track `nbytes` for (module, kind, key), or raise BudgetExceeded without tracking anything.
+
+        A workspace key that is already tracked is reused: it becomes active and grows only if needed.
+        """
+        if kind not in KINDS:
+            raise ValueError(f"unknown allocation kind {kind!r}; accepted: {', '.join(KINDS)}")
+        with self._lock:
+            existing = self._tracked.get((module, kind, key))
+            if existing is not None and kind == "weights":
+                raise ValueError(f"weights {key!r} of {module!r} are already tracked on {self.device_name}")
+            delta = nbytes - existing.nbytes if existing is not None else nbytes
+            if delta > 0 and delta > self.available():
+                raise BudgetExceeded(self._refusal(module, kind, key, delta))
+            if existing is not None:
+                existing.idle = False
+                if delta <= 0:
+                    return
+                existing.nbytes = nbytes
+            else:
+                self._tracked[(module, kind, key)] = _Allocation(nbytes)
+            self.peak_tracked = max(self.peak_tracked, self.tracked())
+            self._publish(module, kind, key, delta)
+
+    def set_idle(self, module: str, key: str) -> None:
+        """Mark a workspace as not in use: kept for reuse, reclaimable under pressure."""
+        with self._lock:
+            self._tracked[(module, "workspace", key)].idle = True
+
+    def idle_workspaces(self) -> list[tuple[str, str, int]]:
+        """(module, key, bytes) of every idle workspace, oldest first."""
+        with self._lock:
+            return [
+                (m, key, a.nbytes) for (m, k, key), a in self._tracked.items() if k == "workspace" and a.idle
+            ]
+
+    def release(self, module: str, kind: str, key: str) -> int:
+        """Stop tracking (module, kind, key); returns the bytes released (0 if it was not tracked)."""
+        with self._lock:
+            allocation = self._tracked.pop((module, kind, key), None)
+            if allocation is None:
+                return 0
+            self._publish(module, kind, key, -allocation.nbytes)
+            return allocation.nbytes
+
+    def snapshot(self) -> dict:
+        """Budget, free, available, peak and tracked bytes per module split into weights and workspace."""
+        with self._lock:
+            modules: dict[str, dict[str, int]] = {}
+            for (module, kind, _), allocation in self._tracked.items():
+                modules.setdefault(module, {"weights": 0, "workspace": 0})[kind] += allocation.nbytes
+            return {
+                "device": self.device_name,
+                "budget": self.budget_bytes,
+                "reserve": self.reserve_bytes,
+                "free": self.free(),
+                "available": self.available(),
+                "tracked": self.tracked(),
+                "peak_tracked": self.peak_tracked,
+                "modules": modules,
+            }
+
+    def _publish(self, module: str, kind: str, key: str, delta: int) -> None:
+        self.bus.publish(
+            "ledger",
+            device=self.device_name,
+            module=module,
+            allocation=kind,
+            key=key,
+            delta=delta,
+            tracked=self.tracked(),
+        )
+
+    def _refusal(self, module: str, kind: str, key: str, delta: int) -> str:
+        snapshot = self.snapshot()
+        per_module = (
+            ", ".join(
+                f"{m}: weights {v['weights'] / MIB:.1f} MiB, workspace {v['workspace'] / MIB:.1f} MiB"
+                for m, v in snapshot["modules"].items()
+            )
+            or "nothing"
+        )
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / MIB:.1f} MiB"
+        free = "" if snapshot["free"] is None else f", live free {snapshot['free'] / MIB:.1f} MiB"
+        return (
+            f"{self.device_name}: {kind} {key!r} of {module} needs {delta / MIB:.2f} MiB ({delta} bytes) "
+            f"but only "
+            f"{snapshot['available'] / MIB:.2f} MiB is available (budget {budget}, reserve "
+            f"{self.reserve_bytes / MIB:.0f} MiB{free}; tracked: {per_module})"
+        )
