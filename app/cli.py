@@ -48,13 +48,19 @@ def _registry(settings: Settings) -> NodeRegistry:
     return registry
 
 
-def _load_workflow(path: str | Path) -> Workflow:
+def _load_workflow(path: str | Path, lookup: Callable[[str], Any]) -> Workflow:
+    """A Sluice, ComfyUI (UI or API) or PNG workflow file; import warnings go to stderr."""
+    from engine.graph.interchange import load_any
+
     if not Path(path).is_file():
         raise CommandError(f"workflow file not found: {path}")
     try:
-        return Workflow.load(path)
+        workflow, warnings = load_any(Path(path), lookup)
     except WorkflowError as error:
         raise CommandError(f"cannot load workflow: {error}") from None
+    for warning in warnings:
+        print(f"sluice: warning: {warning}", file=sys.stderr)
+    return workflow
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
@@ -131,7 +137,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     registry = _registry(settings)
-    workflow = _load_workflow(path)
+    workflow = _load_workflow(path, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
     errors = validate(workflow, registry.get)
     if errors:
@@ -350,7 +356,7 @@ def command_validate(args: argparse.Namespace) -> int:
     from engine.graph.validate import validate
 
     registry = _registry(_settings(args))
-    errors = validate(_load_workflow(args.workflow), registry.get)
+    errors = validate(_load_workflow(args.workflow, registry.get), registry.get)
     for error in errors:
         print(error)
     if not errors:
