@@ -20,6 +20,11 @@ if TYPE_CHECKING:
 # Built-in node modules, registered in this order. A module listed here but not written yet is skipped.
 BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.utility",
+    "nodes.loaders",
+    "nodes.conditioning",
+    "nodes.latent",
+    "nodes.sampling",
+    "nodes.image",
 )
 
 

@@ -1,0 +1,303 @@
+"""The model objects that flow on node links: ComfyUI's MODEL, CLIP and VAE types.
+
+Conventions are ComfyUI's, so that ComfyUI-style nodes compose:
+
+- LATENT is `{"samples": [B, 4, h, w]}` in the VAE's raw latent space (not multiplied by the scale factor);
+  a `DiffusionModel` scales latents into its own space (`process_in`) and back (`process_out`).
+- IMAGE is `[B, H, W, 3]` float32 in 0..1 on the CPU; MASK is `[B, H, W]`.
+- CONDITIONING is a list of `[context [1, T, C], {"pooled_output": [1, P] | None, ...}]` pairs; SDXL entries
+  may carry width, height, crop_w, crop_h, target_width, target_height for the size conditioning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.models.clip import CLIPTextModel
+from engine.models.conditioning import (
+    SD1Conditioner,
+    SD2Conditioner,
+    SDXLConditioner,
+    SDXLRefinerConditioner,
+    sdxl_adm,
+    sdxl_refiner_adm,
+)
+from engine.models.tokenizer import CLIPTokenizer
+from engine.models.unet import UNetModel
+from engine.models.vae import AutoencoderKL
+from engine.sampling import guidance
+from engine.sampling.model_sampling import Denoiser, EpsPrediction, VPrediction
+
+# One embedding file's tensors by name; an encoder takes the one named after it ("clip_l", "clip_g") or the
+# only one whose width matches its own.
+EmbeddingLookup = Callable[[str], Mapping[str, torch.Tensor] | None]
+ConditioningList = list[list[Any]]  # [[context, {"pooled_output": ..., ...}], ...]
+
+TEXT_FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner")
+EMBEDDING_KEYS = {"clip_l": ("clip_l",), "openclip_g": ("clip_g",), "openclip_h": ("clip_h",)}
+REFINER_AESTHETIC_SCORE = 6.0  # sgm's default for the refiner's positive prompt
+
+
+class MissingComponentError(ValueError):
+    """A model component (diffusion model, text encoder, VAE) that a file or a link does not provide."""
+
+
+@dataclass(frozen=True)
+class MissingComponent:
+    """Stands on an output link where a checkpoint lacks a component; using it raises `message`."""
+
+    kind: str  # "MODEL", "CLIP" or "VAE"
+    message: str
+
+
+def require(value: Any, kind: str, expected: type) -> Any:
+    """`value` when it is an `expected` bundle; a clear MissingComponentError otherwise."""
+    if isinstance(value, expected):
+        return value
+    if isinstance(value, MissingComponent):
+        raise MissingComponentError(value.message)
+    raise MissingComponentError(f"expected a {kind} input, got {type(value).__name__}")
+
+
+@dataclass
+class DiffusionModel:
+    """A UNet with its noise schedule and latent format (ComfyUI's MODEL)."""
+
+    unet: UNetModel
+    model_sampling: EpsPrediction | VPrediction
+    family: str  # canonical layout: sd1, sd2, sdxl, sdxl_refiner
+    latent_channels: int
+    latent_scale: float  # raw VAE latent * latent_scale = the latent the UNet samples
+    latent_shift: float
+    compute_device: str  # Sluice device name, e.g. "cpu", "cuda0"
+    params_location: str = "device"  # where the weights live: "device", "cpu" (pinned RAM) or "disk"
+    source: Path | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # per-clone settings (later: LoRA patches)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.unet.dtype
+
+    @property
+    def torch_device(self) -> torch.device:
+        return next(self.unet.parameters()).device
+
+    @property
+    def latent_format(self) -> str:
+        """The preview factors' key (engine/sampling/preview.py)."""
+        return "sdxl" if self.family in ("sdxl", "sdxl_refiner") else "sd1"
+
+    def clone(self) -> DiffusionModel:
+        """A copy that shares the weights but not the options."""
+        return dataclasses.replace(self, options=dict(self.options))
+
+    def process_in(self, latent: torch.Tensor) -> torch.Tensor:
+        return (latent - self.latent_shift) * self.latent_scale
+
+    def process_out(self, latent: torch.Tensor) -> torch.Tensor:
+        return latent / self.latent_scale + self.latent_shift
+
+    @torch.no_grad()
+    def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+              y: torch.Tensor | None = None) -> torch.Tensor:
+        """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x."""
+        device = self.torch_device
+        out = self.unet(x.to(device), timesteps.to(device), context.to(device),
+                        None if y is None else y.to(device))
+        return out.to(device=x.device, dtype=x.dtype)
+
+    def denoiser(self) -> Denoiser:
+        """The k-diffusion denoiser (x, sigma) -> x0 that the samplers call."""
+        return Denoiser(self.apply, self.model_sampling)
+
+    def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
+                              ) -> guidance.Conditioning:
+        """ComfyUI CONDITIONING -> the sampler's (context, y); width, height: SDXL size defaults (pixels)."""
+        if not isinstance(conditioning, list) or not conditioning:
+            raise ValueError("conditioning is empty; connect the output of a CLIPTextEncode node")
+        if len(conditioning) > 1:
+            raise ValueError(f"conditioning holds {len(conditioning)} entries; combining several "
+                             f"conditionings is not supported yet, connect one CLIPTextEncode output")
+        context, extras = conditioning[0]
+        if context.shape[-1] != self.unet.config.context_dim:
+            raise ValueError(f"conditioning width {context.shape[-1]} does not suit this {self.family} model "
+                             f"(context_dim {self.unet.config.context_dim}); use the text encoder of the "
+                             f"same model family")
+        return guidance.Conditioning(context, self._adm(extras, width, height))
+
+    def _adm(self, extras: Mapping[str, Any], width: int, height: int) -> torch.Tensor | None:
+        """SDXL's vector condition y from the pooled text feature and the size fields (ComfyUI encode_adm)."""
+        if self.unet.config.adm_in_channels is None:
+            return None
+        pooled = extras.get("pooled_output")
+        if pooled is None:
+            raise ValueError(f"this {self.family} model needs a pooled text feature; encode the prompt with "
+                             f"the model's own (SDXL) text encoder")
+        width, height = extras.get("width", width), extras.get("height", height)
+        crop_w, crop_h = extras.get("crop_w", 0), extras.get("crop_h", 0)
+        if self.family == "sdxl_refiner":
+            score = extras.get("aesthetic_score", REFINER_AESTHETIC_SCORE)
+            y = sdxl_refiner_adm(pooled, width, height, crop_w, crop_h, score)
+        else:
+            y = sdxl_adm(pooled, width, height, crop_w, crop_h, extras.get("target_width", width),
+                         extras.get("target_height", height))
+        if y.shape[-1] != self.unet.config.adm_in_channels:
+            raise ValueError(f"the pooled text feature ({pooled.shape[-1]} wide) does not suit this model's "
+                             f"vector condition ({self.unet.config.adm_in_channels} wide)")
+        return y
+
+
+@functools.cache
+def _tokenizer_for(kind: str) -> CLIPTokenizer:
+    """One shared tokenizer per encoder kind: CLIP-L pads with end-of-text, OpenCLIP with zeros."""
+    return CLIPTokenizer(pad_with="eos" if kind == "clip_l" else "zero")
+
+
+def build_conditioner(family: str, encoders: Sequence[CLIPTextModel]) -> Any:
+    """The family's conditioner over its encoders (CLIP-L first for SDXL)."""
+    builders = {"sd1": SD1Conditioner, "sd2": SD2Conditioner, "sdxl": SDXLConditioner,
+                "sdxl_refiner": SDXLRefinerConditioner}
+    if family not in builders:
+        raise ValueError(f"unknown text encoder family {family!r}; accepted: {', '.join(builders)}")
+    return builders[family](*encoders)
+
+
+@dataclass
+class TextEncoder:
+    """A family's CLIP encoder(s) with tokenizers and the chosen layer (ComfyUI's CLIP)."""
+
+    family: str  # sd1, sd2, sdxl, sdxl_refiner
+    encoders: tuple[CLIPTextModel, ...]  # in the conditioner's order (SDXL: CLIP-L, then bigG)
+    conditioner: Any  # SD1Conditioner | SD2Conditioner | SDXLConditioner | SDXLRefinerConditioner
+    compute_device: str
+    clip_skip: int | None = None  # None: the family's default layer; n: the n-th layer from the end
+    params_location: str = "device"
+    sources: tuple[Path, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(encoder.config.kind for encoder in self.encoders)
+
+    def clone_with_clip_skip(self, stop_at_clip_layer: int) -> TextEncoder:
+        """ComfyUI's CLIPSetLastLayer: -1 = last layer, -2 = penultimate, ..."""
+        layers = min(encoder.config.layers for encoder in self.encoders)
+        if not -layers <= stop_at_clip_layer <= -1:
+            raise ValueError(f"stop_at_clip_layer {stop_at_clip_layer} is out of range for this text encoder "
+                             f"({layers} layers); accepted: -1 to {-layers}")
+        return dataclasses.replace(self, clip_skip=-stop_at_clip_layer)
+
+    def tokenize(self, text: str, embedding_lookup: EmbeddingLookup | None = None) -> dict[str, list]:
+        """Weighted 77-token chunks of `text` per encoder kind."""
+        return {encoder.config.kind: _tokenizer_for(encoder.config.kind).tokenize_weighted(
+            text, _lookup_for(encoder, embedding_lookup)) for encoder in self.encoders}
+
+    @torch.no_grad()
+    def encode(self, text: str, embedding_lookup: EmbeddingLookup | None = None) -> ConditioningList:
+        """CLIPTextEncode: `text` (with emphasis and `embedding:name`) -> ComfyUI CONDITIONING."""
+        return self.encode_tokens(self.tokenize(text, embedding_lookup))
+
+    @torch.no_grad()
+    def encode_sdxl(self, text_g: str, text_l: str, embedding_lookup: EmbeddingLookup | None = None,
+                    **size_fields: int) -> ConditioningList:
+        """CLIPTextEncodeSDXL: `text_g` for bigG, `text_l` for CLIP-L, plus the SDXL size fields."""
+        if self.family != "sdxl":
+            raise ValueError(f"CLIPTextEncodeSDXL needs an SDXL text encoder (CLIP-L + bigG); this one is "
+                             f"{self.family}")
+        chunks = self.tokenize(text_g, embedding_lookup)
+        chunks["clip_l"] = self.tokenize(text_l, embedding_lookup)["clip_l"]
+        for kind, other in (("clip_l", "openclip_g"), ("openclip_g", "clip_l")):
+            empty = _tokenizer_for(kind).tokenize_weighted("")[0]
+            chunks[kind] = chunks[kind] + [empty] * (len(chunks[other]) - len(chunks[kind]))
+        conditioning = self.encode_tokens(chunks)
+        conditioning[0][1].update(size_fields)
+        return conditioning
+
+    def encode_tokens(self, chunks: Mapping[str, list]) -> ConditioningList:
+        per_encoder = dict(chunks) if self.family == "sdxl" else chunks[self.kinds[0]]
+        encoded = self.conditioner.encode(per_encoder, self.clip_skip)
+        pooled = encoded.pooled.cpu() if encoded.pooled is not None else None
+        return [[encoded.context.cpu(), {"pooled_output": pooled}]]
+
+
+def _lookup_for(encoder: CLIPTextModel, embedding_lookup: EmbeddingLookup | None,
+                ) -> Callable[[str], torch.Tensor | None] | None:
+    """The tokenizer's name -> tensor lookup for one encoder, picking its tensor from an embedding file."""
+    if embedding_lookup is None:
+        return None
+    config = encoder.config
+
+    def lookup(name: str) -> torch.Tensor | None:
+        tensors = embedding_lookup(name)
+        if not tensors:
+            return None
+        for key in EMBEDDING_KEYS.get(config.kind, ()):
+            if key in tensors:
+                return tensors[key]
+        fitting = [t for t in tensors.values() if t.ndim in (1, 2) and t.shape[-1] == config.width]
+        if len(fitting) != 1:
+            widths = sorted({int(t.shape[-1]) for t in tensors.values()})
+            raise ValueError(f"embedding {name!r} has no single vector set of width {config.width} for the "
+                             f"{config.kind} encoder; its widths: {widths}")
+        return fitting[0]
+
+    return lookup
+
+
+@dataclass
+class VAEModel:
+    """The KL autoencoder in ComfyUI's raw latent space (ComfyUI's VAE)."""
+
+    autoencoder: AutoencoderKL  # built with scale_factor 1 and shift 0: the DiffusionModel scales
+    compute_device: str
+    params_location: str = "device"
+    source: Path | None = None
+
+    @property
+    def torch_device(self) -> torch.device:
+        return next(self.autoencoder.parameters()).device
+
+    @property
+    def latent_channels(self) -> int:
+        return self.autoencoder.config.embed_dim
+
+    @property
+    def downscale(self) -> int:
+        """Pixels per latent cell along each side (8 for SD's KL-f8)."""
+        return 2 ** (len(self.autoencoder.config.ch_mult) - 1)
+
+    @torch.no_grad()
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Raw latent [B, C, h, w] -> IMAGE [B, 8h, 8w, 3] float32 in 0..1 on the CPU."""
+        if latent.ndim != 4 or latent.shape[1] != self.latent_channels:
+            raise ValueError(f"VAE decode needs a latent of shape (B, {self.latent_channels}, h, w); got "
+                             f"{tuple(latent.shape)}")
+        images = []
+        for item in latent.split(1):  # one image at a time bounds the decoder's activations
+            pixels = self.autoencoder.decode(item.to(self.torch_device))  # (1, 3, H, W) in about [-1, 1]
+            images.append(((pixels.float() + 1.0) / 2.0).clamp(0, 1).permute(0, 2, 3, 1).cpu())
+        return torch.cat(images)
+
+    @torch.no_grad()
+    def encode(self, image: torch.Tensor) -> torch.Tensor:
+        """IMAGE [B, H, W, C>=3] in 0..1 -> raw latent [B, C, H/8, W/8] (centre-cropped to multiples of 8)."""
+        if image.ndim != 4 or image.shape[-1] < 3:
+            raise ValueError(f"VAE encode needs an IMAGE of shape (B, H, W, 3); got {tuple(image.shape)}")
+        factor = self.downscale
+        height, width = (image.shape[1] // factor) * factor, (image.shape[2] // factor) * factor
+        if not height or not width:
+            raise ValueError(f"image of {image.shape[2]}x{image.shape[1]} pixels is too small to encode; "
+                             f"accepted: at least {factor}x{factor}")
+        top, left = (image.shape[1] % factor) // 2, (image.shape[2] % factor) // 2
+        image = image[:, top:top + height, left:left + width, :3]
+        latents = []
+        for item in image.split(1):
+            pixels = item.permute(0, 3, 1, 2).to(self.torch_device, torch.float32) * 2.0 - 1.0  # (1, 3, H, W)
+            latents.append(self.autoencoder.encode(pixels.to(self.autoencoder.dtype)).float().cpu())
+        return torch.cat(latents)

@@ -1,0 +1,327 @@
+"""Load SD-family files into our models: detect the configs, build on `meta`, bind tensors read lazily.
+
+Each component's tensors are read from the file with its prefix stripped, converted to the compute dtype
+and bound without a second copy (engine/models/weights.py). A per-process cache keyed by (file, mtime,
+size, component, dtype, device) returns the same bundle while anything still holds it, so loading a file
+twice in a session is free without keeping unused models alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.devices import ComputeDevice, resolve_device
+from engine.models.bundles import (
+    TEXT_FAMILIES,
+    DiffusionModel,
+    MissingComponentError,
+    TextEncoder,
+    VAEModel,
+    build_conditioner,
+)
+from engine.models.clip import UNUSED_CHECKPOINT_KEYS, CLIPTextModel, component_prefix
+from engine.models.detect import (
+    TEXT_ROOTS,
+    UNET_ROOTS,
+    VAE_ROOTS,
+    ModelInfo,
+    TextEncoderConfig,
+    UnsupportedModelError,
+    detect,
+)
+from engine.models.formats import CheckpointError, CheckpointReader, open_checkpoint
+from engine.models.unet import UNetModel
+from engine.models.vae import AutoencoderKL
+from engine.models.weights import bind_weights
+from engine.sampling.model_sampling import EpsPrediction, VPrediction
+
+COMPONENTS = ("diffusion", "te", "vae")
+COMPONENT_NAMES = {"diffusion": "diffusion model (UNet)", "te": "text encoder (CLIP)", "vae": "VAE"}
+ADD_LOADER_HINT = {"diffusion": "add a UNETLoader", "te": "add a CLIPLoader", "vae": "add a VAELoader"}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SDXL_LATENT_SCALE, SD_LATENT_SCALE = 0.13025, 0.18215
+
+_cache: weakref.WeakValueDictionary[tuple, Any] = weakref.WeakValueDictionary()
+_cache_lock = threading.Lock()
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """None / "default" -> None (the device's default); "fp32" / "fp16" / "bf16" or a torch dtype."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    if name == "default":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown weight dtype {name!r}; accepted: default, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_dtype(component: str, device: torch.device, stored: torch.dtype | None) -> torch.dtype:
+    """float32 on the CPU; on a GPU the file's half type (fp16 unless it holds bf16), and float32 (or bf16
+    where supported) for the VAE, whose fp16 decode overflows on SDXL."""
+    if device.type == "cpu":
+        return torch.float32
+    if component == "vae":
+        cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+        return torch.bfloat16 if cuda_bf16 else torch.float32
+    return torch.bfloat16 if stored == torch.bfloat16 else torch.float16
+
+
+def _file_key(path: Path) -> tuple:
+    if not path.is_file():
+        raise CheckpointError(f"model file not found: {path}")
+    stat = path.stat()
+    return (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+def _cached(key: tuple, build: Any) -> Any:
+    with _cache_lock:
+        found = _cache.get(key)
+    if found is not None:
+        return found
+    value = build()
+    with _cache_lock:
+        _cache[key] = value
+    return value
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _cache.clear()
+
+
+def _component_tensors(reader: CheckpointReader, prefix: str, roots: set[str], dtype: torch.dtype,
+                       device: torch.device, skip: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """The component's tensors named without `prefix` (only names under `roots`), read and converted."""
+    skipped = set(skip)
+    tensors = {}
+    for key in reader.keys():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name.split(".", 1)[0] not in roots or name in skipped:
+            continue
+        tensor = reader.get(key)
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.to(device)
+    return tensors
+
+
+def _stored_dtype(reader: CheckpointReader, prefix: str) -> torch.dtype | None:
+    key = next((k for k in reader.keys() if k.startswith(prefix) and k.endswith(".weight")), None)
+    return reader.info(key).dtype if key is not None else None
+
+
+def _bind(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str, path: Path) -> None:
+    try:
+        bind_weights(module, tensors)
+    except ValueError as error:
+        raise ValueError(f"{path}: the {what} does not match its detected configuration: {error}") from None
+
+
+def _latent_scale(info: ModelInfo) -> float:
+    if info.vae is not None:
+        return info.vae.scale_factor
+    return SDXL_LATENT_SCALE if info.layout in ("sdxl", "sdxl_refiner") else SD_LATENT_SCALE
+
+
+def _build_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
+                     device: ComputeDevice) -> DiffusionModel:
+    prefix, config = info.components["diffusion"], info.unet
+    dtype = dtype or default_dtype("diffusion", device.torch_device, _stored_dtype(reader, prefix))
+    unet = UNetModel(config, dtype=dtype, device="meta")
+    _bind(unet, _component_tensors(reader, prefix, UNET_ROOTS, dtype, device.torch_device),
+          "diffusion model", reader.path)
+    sampling = VPrediction() if config.prediction == "v" else EpsPrediction()
+    return DiffusionModel(unet=unet, model_sampling=sampling, family=info.layout,
+                          latent_channels=config.out_channels, latent_scale=_latent_scale(info),
+                          latent_shift=0.0, compute_device=device.name, source=reader.path)
+
+
+def _build_vae(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
+               device: ComputeDevice) -> VAEModel:
+    prefix = info.components["vae"]
+    dtype = dtype or default_dtype("vae", device.torch_device, _stored_dtype(reader, prefix))
+    # The VAE works in raw latents (ComfyUI's LATENT); the diffusion model applies the scale factor.
+    config = dataclasses.replace(info.vae, scale_factor=1.0, shift_factor=0.0)
+    autoencoder = AutoencoderKL(config, device="meta", dtype=dtype)
+    _bind(autoencoder, _component_tensors(reader, prefix, VAE_ROOTS, dtype, device.torch_device), "VAE",
+          reader.path)
+    return VAEModel(autoencoder=autoencoder, compute_device=device.name, source=reader.path)
+
+
+def _build_clip(reader: CheckpointReader, config: TextEncoderConfig, dtype: torch.dtype | None,
+                device: ComputeDevice) -> CLIPTextModel:
+    prefix = component_prefix(config)
+    dtype = dtype or default_dtype("te", device.torch_device, _stored_dtype(reader, prefix))
+    model = CLIPTextModel(config, dtype=dtype, device="meta")
+    tensors = _component_tensors(reader, prefix, TEXT_ROOTS, dtype, device.torch_device,
+                                 UNUSED_CHECKPOINT_KEYS)
+    _bind(model, tensors, f"{config.kind} text encoder", reader.path)
+    return model
+
+
+def _detect(reader: CheckpointReader) -> ModelInfo:
+    try:
+        return detect(reader)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"not a Stable Diffusion model file: {error}") from None
+
+
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None, device: str = "cpu",
+                    components: Sequence[str] = COMPONENTS,
+                    ) -> tuple[DiffusionModel | None, TextEncoder | None, VAEModel | None]:
+    """(diffusion model, text encoder, VAE) of a single-file checkpoint; None for a component not asked for
+    or not in the file. `dtype` None (or "default") picks each component's default for the device."""
+    unknown = [c for c in components if c not in COMPONENTS]
+    if unknown:
+        raise ValueError(f"unknown components {unknown}; accepted: {', '.join(COMPONENTS)}")
+    path, dtype, compute = Path(path), parse_dtype(dtype), resolve_device(device)
+    file_key = _file_key(path)
+    keys = {c: (*file_key, c, dtype, compute.name) for c in components}
+    with _cache_lock:
+        found = {c: _cache.get(key) for c, key in keys.items()}
+    missing = [c for c in components if found[c] is None]
+    if missing:
+        with open_checkpoint(path) as reader:
+            info = _detect(reader)
+            for component in missing:
+                if component not in info.components:
+                    continue
+                if component == "diffusion":
+                    value: Any = _build_diffusion(reader, info, dtype, compute)
+                elif component == "vae":
+                    value = _build_vae(reader, info, dtype, compute)
+                else:
+                    sources = [(reader, config) for config in info.text_encoders]
+                    value = _text_encoder(info.layout, sources, dtype, compute)
+                found[component] = value
+                with _cache_lock:
+                    _cache[keys[component]] = value
+    return found.get("diffusion"), found.get("te"), found.get("vae")
+
+
+def _require(value: Any, component: str, path: Path) -> Any:
+    if value is None:
+        raise MissingComponentError(f"{path} has no {COMPONENT_NAMES[component]}; "
+                                    f"{ADD_LOADER_HINT[component]} with a file that has one")
+    return value
+
+
+def load_diffusion_model(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
+                         device: str = "cpu") -> DiffusionModel:
+    """The UNet of a diffusion-model file (or of a full checkpoint)."""
+    return _require(load_checkpoint(path, dtype, device, ("diffusion",))[0], "diffusion", Path(path))
+
+
+def load_vae(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None, device: str = "cpu",
+             ) -> VAEModel:
+    """The VAE of a VAE file (or of a full checkpoint)."""
+    return _require(load_checkpoint(path, dtype, device, ("vae",))[2], "vae", Path(path))
+
+
+# ---------------------------------------------------------------- text encoders
+
+FAMILY_ROLES = {"sd1": ("clip_l",), "sd2": ("openclip_h",), "sdxl": ("clip_l", "openclip_g"),
+                "sdxl_refiner": ("openclip_g",)}
+
+
+def _with_role(config: TextEncoderConfig, kind: str) -> TextEncoderConfig:
+    """The config under the role the family gives it (custom-width encoders are detected by layout only)."""
+    return dataclasses.replace(config, kind=kind, activation="quick_gelu" if kind == "clip_l" else "gelu")
+
+
+def _assign_roles(family: str, configs: list[TextEncoderConfig]) -> list[int]:
+    """Indices of `configs` in the family's encoder order: CLIP-L (hf layout) first, OpenCLIP after."""
+    roles = FAMILY_ROLES[family]
+    if len(configs) != len(roles):
+        raise ValueError(f"a {family} text encoder needs {len(roles)} encoder(s) ({', '.join(roles)}); "
+                         f"the file(s) hold {len(configs)}: {', '.join(c.kind for c in configs) or 'none'}")
+    order = sorted(range(len(configs)), key=lambda i: configs[i].layout != "hf")
+    for index, role in zip(order, roles, strict=True):
+        wanted_layout = "hf" if role == "clip_l" else "open_clip"
+        if configs[index].layout != wanted_layout and configs[index].kind != role:
+            raise ValueError(f"a {family} text encoder needs {', '.join(roles)}; got "
+                             f"{', '.join(c.kind for c in configs)}")
+    return order
+
+
+def _text_encoder(family: str, sources: list[tuple[CheckpointReader, TextEncoderConfig]],
+                  dtype: torch.dtype | None, device: ComputeDevice) -> TextEncoder:
+    if family not in TEXT_FAMILIES:
+        raise ValueError(f"no text conditioning for model family {family!r}; "
+                         f"accepted: {', '.join(TEXT_FAMILIES)}")
+    order = _assign_roles(family, [config for _, config in sources])
+    encoders = tuple(_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, device)
+                     for i, role in zip(order, FAMILY_ROLES[family], strict=True))
+    paths = tuple(dict.fromkeys(reader.path for reader, _ in sources))
+    return TextEncoder(family=family, encoders=encoders, conditioner=build_conditioner(family, encoders),
+                       compute_device=device.name, sources=paths)
+
+
+def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | None = None,
+                       dtype: torch.dtype | str | None = None, device: str = "cpu") -> TextEncoder:
+    """One text encoder (ComfyUI CLIP) from one file (SD1, SD2, refiner) or two (SDXL: CLIP-L + bigG).
+
+    `family` None detects it from the encoders found (one CLIP-L: sd1; one OpenCLIP: sd2, or the refiner for
+    bigG; CLIP-L + OpenCLIP: sdxl); given, it assigns the roles, which custom-width encoders need.
+    """
+    if not paths:
+        raise ValueError("load_text_encoders needs at least one file")
+    if family is not None and family not in TEXT_FAMILIES:
+        raise ValueError(f"unknown text encoder family {family!r}; accepted: {', '.join(TEXT_FAMILIES)}")
+    dtype, compute = parse_dtype(dtype), resolve_device(device)
+    file_paths = [Path(p) for p in paths]
+    key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, compute.name)
+
+    def build() -> TextEncoder:
+        readers = [open_checkpoint(p) for p in file_paths]
+        try:
+            sources = []
+            for reader in readers:
+                info = _detect(reader)
+                if not info.text_encoders:
+                    _require(None, "te", reader.path)
+                sources += [(reader, config) for config in info.text_encoders]
+            chosen = family or _family_of([config for _, config in sources])
+            return _text_encoder(chosen, sources, dtype, compute)
+        finally:
+            for reader in readers:
+                reader.close()
+
+    return _cached(key, build)
+
+
+def _family_of(configs: list[TextEncoderConfig]) -> str:
+    layouts = sorted(config.layout for config in configs)
+    if layouts == ["hf"]:
+        return "sd1"
+    if layouts == ["hf", "open_clip"]:
+        return "sdxl"
+    if layouts == ["open_clip"]:
+        return "sdxl_refiner" if configs[0].kind == "openclip_g" else "sd2"
+    raise ValueError(f"cannot tell the model family of text encoders {', '.join(c.kind for c in configs)}; "
+                     f"accepted: one CLIP-L (sd1), one OpenCLIP (sd2, sdxl_refiner), "
+                     f"CLIP-L + OpenCLIP-G (sdxl)")
+
+
+def load_embedding(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A textual-inversion file's vectors: {"clip_l": ..., "clip_g": ...} (SDXL) or {"emb_params": ...}."""
+    with open_checkpoint(path) as reader:
+        tensors = {key: reader.get(key).float() for key in reader.keys()}
+    if "string_to_param.*" in tensors:  # A1111 layout flattened into one state dict
+        tensors = {"emb_params": tensors["string_to_param.*"]}
+    vectors = {k: v for k, v in tensors.items() if v.is_floating_point() and v.ndim in (1, 2)}
+    if not vectors:
+        raise ValueError(f"{path} holds no embedding vectors; "
+                         f"accepted: tensors of shape (width,) or (n, width)")
+    return vectors

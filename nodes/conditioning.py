@@ -1,0 +1,81 @@
+"""Text conditioning nodes with ComfyUI's names and input order: CLIPTextEncode, CLIPTextEncodeSDXL,
+CLIPSetLastLayer. Prompts accept (emphasis:1.2) and `embedding:name` (files of models/embeddings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.graph.spec import NodeType, Output, RunContext, int_input, link_input, string_input
+from engine.models.bundles import EmbeddingLookup, TextEncoder, require
+from engine.models.loader import load_embedding
+from engine.settings import Settings
+from nodes.loaders import current_settings
+
+MAX_RESOLUTION = 16384
+EMBEDDING_EXTENSIONS = (".safetensors", ".pt", ".bin")
+
+
+def embedding_lookup(settings: Settings | None) -> EmbeddingLookup:
+    """name -> the tensors of models/embeddings/name(.safetensors|.pt|.bin), or None when there is none."""
+    settings = current_settings(settings)
+
+    def lookup(name: str) -> dict[str, torch.Tensor] | None:
+        files = settings.list_models("embeddings", EMBEDDING_EXTENSIONS)
+        for candidate in (name, *(name + extension for extension in EMBEDDING_EXTENSIONS)):
+            if candidate in files:
+                return load_embedding(settings.resolve_model("embeddings", candidate))
+        return None
+
+    return lookup
+
+
+class CLIPTextEncode(NodeType):
+    display_name = "CLIP Text Encode (Prompt)"
+    category = "conditioning"
+    description = "Encodes a prompt with the text encoder into the conditioning a sampler follows."
+    inputs = (string_input("text", "", multiline=True), link_input("clip", "CLIP"))
+    outputs = (Output("CONDITIONING", "CONDITIONING"),)
+
+    def run(self, ctx: RunContext, text: str, clip: Any) -> tuple:
+        clip = require(clip, "CLIP", TextEncoder)
+        return (clip.encode(text, embedding_lookup(ctx.settings)),)
+
+
+class CLIPTextEncodeSDXL(NodeType):
+    display_name = "CLIPTextEncodeSDXL"
+    category = "advanced/conditioning"
+    description = ("SDXL prompt with separate texts for OpenCLIP-bigG (text_g) and CLIP-L (text_l), and the "
+                   "size conditioning: original size, crop offset, target size.")
+    inputs = (link_input("clip", "CLIP"),
+              int_input("width", 1024, min=0, max=MAX_RESOLUTION),
+              int_input("height", 1024, min=0, max=MAX_RESOLUTION),
+              int_input("crop_w", 0, min=0, max=MAX_RESOLUTION),
+              int_input("crop_h", 0, min=0, max=MAX_RESOLUTION),
+              int_input("target_width", 1024, min=0, max=MAX_RESOLUTION),
+              int_input("target_height", 1024, min=0, max=MAX_RESOLUTION),
+              string_input("text_g", "", multiline=True),
+              string_input("text_l", "", multiline=True))
+    outputs = (Output("CONDITIONING", "CONDITIONING"),)
+
+    def run(self, ctx: RunContext, clip: Any, width: int, height: int, crop_w: int, crop_h: int,
+            target_width: int, target_height: int, text_g: str, text_l: str) -> tuple:
+        clip = require(clip, "CLIP", TextEncoder)
+        return (clip.encode_sdxl(text_g, text_l, embedding_lookup(ctx.settings), width=width, height=height,
+                                 crop_w=crop_w, crop_h=crop_h, target_width=target_width,
+                                 target_height=target_height),)
+
+
+class CLIPSetLastLayer(NodeType):
+    display_name = "CLIP Set Last Layer"
+    category = "conditioning"
+    description = "Reads the prompt from an earlier encoder layer: -1 = last, -2 = penultimate (clip skip 2)."
+    inputs = (link_input("clip", "CLIP"), int_input("stop_at_clip_layer", -1, min=-24, max=-1))
+    outputs = (Output("CLIP", "CLIP"),)
+
+    def run(self, ctx: RunContext, clip: Any, stop_at_clip_layer: int) -> tuple:
+        return (require(clip, "CLIP", TextEncoder).clone_with_clip_skip(stop_at_clip_layer),)
+
+
+NODE_TYPES = (CLIPTextEncode, CLIPTextEncodeSDXL, CLIPSetLastLayer)

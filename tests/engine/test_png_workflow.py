@@ -1,0 +1,103 @@
+"""PNG files that carry their workflow, and images read into ComfyUI IMAGE / MASK tensors (checked against
+PIL and numpy directly)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from engine.graph.document import Workflow
+from engine.images import api_prompt, load_image, png_text, save_png, tensor_to_pil, workflow_chunks
+from engine.settings import Settings
+
+PROMPT = "a fox \"quoted\", ünïcode"
+
+
+def _workflow() -> Workflow:
+    workflow = Workflow()
+    ckpt = workflow.add_node("CheckpointLoaderSimple", {"ckpt_name": "sd15.safetensors"})
+    text = workflow.add_node("CLIPTextEncode", {"text": PROMPT}, title="prompt")
+    muted = workflow.add_node("PreviewImage", mode="muted")
+    workflow.connect(ckpt.id, 1, text.id, "clip", "CLIP")
+    workflow.connect(text.id, 0, muted.id, "images", "IMAGE")
+    return workflow
+
+
+def test_saved_png_holds_the_workflow_and_the_api_prompt(tmp_path: Path) -> None:
+    workflow = _workflow()
+    image = torch.rand(10, 14, 3, generator=torch.Generator().manual_seed(0))
+    path = save_png(image, tmp_path / "out.png", workflow_chunks(workflow))
+    chunks = png_text(path)
+    assert Workflow.loads(chunks["workflow"]).to_dict() == workflow.to_dict()
+    assert json.loads(chunks["prompt"]) == {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd15.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["1", 1]}},
+    }
+    with Image.open(path) as saved:
+        pixels = np.asarray(saved)
+    expected = np.clip(np.round(image.numpy() * 255), 0, 255).astype(np.uint8)
+    assert np.array_equal(pixels, expected)
+
+
+def test_saving_never_overwrites(tmp_path: Path) -> None:
+    settings = Settings(tmp_path, tmp_path / "output", None)
+    image = torch.zeros(4, 4, 3)
+    first = save_png(image, settings.output_path("run/img", "png"))
+    second = save_png(image, settings.output_path("run/img", "png"))
+    assert (first.name, second.name) == ("img_00001_.png", "img_00002_.png")
+    with pytest.raises(FileExistsError):
+        save_png(torch.ones(4, 4, 3), first)
+    with Image.open(first) as kept:
+        assert np.asarray(kept).max() == 0
+    assert api_prompt(Workflow()) == {} and workflow_chunks(None) == {}
+
+
+def test_alpha_becomes_the_mask_as_one_minus_alpha(tmp_path: Path) -> None:
+    rgba = np.zeros((3, 5, 4), dtype=np.uint8)
+    rgba[..., 0] = 255
+    rgba[..., 3] = [[0, 64, 128, 200, 255]] * 3
+    Image.fromarray(rgba, "RGBA").save(tmp_path / "alpha.png")
+    image, mask = load_image(tmp_path / "alpha.png")
+    assert image.shape == (1, 3, 5, 3) and mask.shape == (1, 3, 5)
+    assert torch.equal(image[0], torch.from_numpy(rgba[..., :3].astype(np.float32) / 255))
+    assert torch.allclose(mask[0], torch.from_numpy(1 - rgba[..., 3].astype(np.float32) / 255))
+
+
+def test_images_without_alpha_have_an_empty_mask_and_palette_transparency_counts(tmp_path: Path) -> None:
+    Image.new("L", (6, 2), 51).save(tmp_path / "grey.png")
+    image, mask = load_image(tmp_path / "grey.png")
+    assert torch.allclose(image, torch.full((1, 2, 6, 3), 0.2)) and torch.equal(mask, torch.zeros(1, 2, 6))
+    palette = Image.new("P", (2, 1))
+    palette.putpalette([0, 0, 0, 255, 255, 255] + [0] * 762)
+    palette.putpixel((1, 0), 1)
+    palette.save(tmp_path / "palette.png", transparency=0)
+    _, mask = load_image(tmp_path / "palette.png")
+    assert torch.equal(mask, torch.tensor([[[1.0, 0.0]]]))
+
+
+def test_exif_rotation_and_animation_frames(tmp_path: Path) -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees clockwise to display
+    Image.new("RGB", (4, 2), (10, 20, 30)).save(tmp_path / "rotated.jpg", exif=exif)
+    image, _ = load_image(tmp_path / "rotated.jpg")
+    assert image.shape == (1, 4, 2, 3)
+    frames = [Image.new("RGB", (3, 3), color) for color in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])
+    image, mask = load_image(tmp_path / "anim.gif")
+    assert image.shape == (2, 3, 3, 3) and mask.shape == (2, 3, 3)
+    assert image[0, 0, 0].tolist() == [1.0, 0.0, 0.0] and image[1, 0, 0].tolist() == [0.0, 0.0, 1.0]
+
+
+def test_bad_image_files_are_named(tmp_path: Path) -> None:
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG not really")
+    with pytest.raises(ValueError, match="cannot read image .*broken.png"):
+        load_image(tmp_path / "broken.png")
+    with pytest.raises(FileNotFoundError, match="image file not found: .*absent.png"):
+        load_image(tmp_path / "absent.png")
+    with pytest.raises(ValueError, match=r"expected one image of shape \(H, W, 3\); got \(2, 2\)"):
+        tensor_to_pil(torch.zeros(2, 2))
