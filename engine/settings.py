@@ -43,6 +43,11 @@ def resources_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "resources"
 
 
+def embedded_models_dir() -> Path:
+    """The models folder that ships with Sluice (ComfyUI layout): the embedded shapes model."""
+    return resources_dir() / "models"
+
+
 def default_settings_file(env: Mapping[str, str] = os.environ) -> Path:
     """`SLUICE_SETTINGS` if set, else `~/.config/sluice/settings.json`."""
     if env.get("SLUICE_SETTINGS"):
@@ -56,12 +61,16 @@ class Settings:
     output_dir: Path  # where saved images go; output_path never leaves it
     plugins_dir: Path | None  # user node plugins; None = no plugins
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of the settings file, kept on save
+    embedded_models: bool = True  # also search resources/models (the embedded model) after models_root
 
     def model_dirs(self, kind: str) -> list[Path]:
         """The folders searched for models of `kind`, in search order (they may not exist)."""
         if kind not in MODEL_FOLDERS:
             raise SettingsError(f"unknown model kind {kind!r}; accepted: {', '.join(MODEL_FOLDERS)}")
-        return [self.models_root / folder for folder in MODEL_FOLDERS[kind]]
+        folders = [self.models_root / folder for folder in MODEL_FOLDERS[kind]]
+        if self.embedded_models:
+            folders += [embedded_models_dir() / folder for folder in MODEL_FOLDERS[kind]]
+        return folders
 
     def list_models(self, kind: str, extensions: Sequence[str] = MODEL_EXTENSIONS) -> list[str]:
         """Model files of `kind` as sorted relative posix paths, searched recursively in every folder."""

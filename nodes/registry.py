@@ -25,6 +25,8 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.latent",
     "nodes.sampling",
     "nodes.image",
+    "nodes.upscale",
+    "nodes.preview",
 )
 
 
@@ -135,7 +137,10 @@ def _import_builtin(module_name: str) -> ModuleType | None:
 
 
 def default_registry(settings: Any = None) -> NodeRegistry:
-    """The built-in node types, then the plugins of `settings.plugins_dir` (failures in plugin_failures)."""
+    """The built-in node types, then the plugins of `settings.plugins_dir` (failures in plugin_failures).
+
+    A built-in module that defines `configure(settings)` is given the settings (model folders for choices).
+    """
     from nodes.plugins import load_plugins
 
     registry = NodeRegistry()
@@ -143,6 +148,8 @@ def default_registry(settings: Any = None) -> NodeRegistry:
         module = _import_builtin(module_name)
         if module is not None:
             registry.register_module(module)
+            if settings is not None and hasattr(module, "configure"):  # e.g. model choices list its folder
+                module.configure(settings)
     plugins_dir = getattr(settings, "plugins_dir", None)
     if plugins_dir is not None:
         registry.plugin_failures = load_plugins(plugins_dir, registry)

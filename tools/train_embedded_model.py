@@ -163,16 +163,16 @@ class EMA:
 
     def __init__(self, module: torch.nn.Module, decay: float):
         self.decay = decay
-        self.shadow = {k: v.detach().clone().float() for k, v in module.state_dict().items()}
+        self.params = list(module.parameters())
+        self.shadow = [p.detach().clone() for p in self.params]
 
     @torch.no_grad()
-    def update(self, module: torch.nn.Module) -> None:
-        for k, v in module.state_dict().items():
-            if v.dtype.is_floating_point:
-                self.shadow[k].lerp_(v.float(), 1 - self.decay)
+    def update(self) -> None:
+        torch._foreach_lerp_(self.shadow, self.params, 1 - self.decay)  # one fused launch, not one per tensor
 
-    def copy_to(self, module: torch.nn.Module) -> None:
-        module.load_state_dict(self.shadow)
+    @torch.no_grad()
+    def copy_to(self) -> None:
+        torch._foreach_copy_(self.params, self.shadow)
 
 
 def sd_alphas_cumprod(device: torch.device) -> torch.Tensor:
@@ -182,6 +182,15 @@ def sd_alphas_cumprod(device: torch.device) -> torch.Tensor:
 
 
 # -------------------------------------------------------------------------------------------- training
+
+
+def progress(step: int, steps: int, began: float, deadline: float) -> float:
+    """How far a phase is, by steps or by time, whichever is further: the LR decays within the budget."""
+    return min(1.0, max(step / steps, (time.time() - began) / max(deadline - began, 1e-6)))
+
+
+def cosine(fraction: float, floor: float) -> float:
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * fraction))
 
 
 def train_vae(
@@ -195,16 +204,12 @@ def train_vae(
 ) -> int:
     opt = torch.optim.AdamW(vae.parameters(), lr=4e-4, weight_decay=0.0)
     vae.train()
-    step = start
+    step, began = start, time.time()
     while step < steps and time.time() < deadline:
-        lr = (
-            4e-4
-            * min(1.0, (step - start + 1) / 200)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
-        )
+        lr = 4e-4 * min(1.0, (step - start + 1) / 200) * cosine(progress(step, steps, began, deadline), 0.1)
         for group in opt.param_groups:
             group["lr"] = lr
-        batch = images[torch.randint(0, len(images), (64,))].to(device).float() / 127.5 - 1
+        batch = images[torch.randint(0, len(images), (64,), device=images.device)].float() / 127.5 - 1
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             moments = vae.quant_conv(_encode_features(vae, batch))
             mean, logvar = moments.float().chunk(2, dim=1)
@@ -254,6 +259,25 @@ def encode_latents(vae: AutoencoderKL, images: torch.Tensor, device: torch.devic
     return torch.cat(out)
 
 
+def compiled_or_eager(unet: UNetModel, sample: torch.Tensor, device: torch.device, log):
+    """torch.compile(unet) when it compiles and agrees with eager on a probe batch; else the eager UNet."""
+    if device.type != "cuda":
+        return unet
+    try:
+        compiled = torch.compile(unet)
+        t = torch.full((len(sample),), 500.0, device=device)
+        context = torch.randn(len(sample), TOKENS, UNET_CONFIG.context_dim, device=device)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            reference = unet(sample, t, context).float()
+            difference = compiled(sample, t, context).float() - reference
+        error = (difference.norm() / reference.norm().clamp_min(1e-6)).item()
+        log(f"torch.compile UNet: relative difference from eager {error:.2e}")
+        return compiled if error < 5e-2 else unet
+    except Exception as failure:  # a compiler problem must not cost the run
+        log(f"torch.compile failed ({type(failure).__name__}: {failure}); training eager")
+        return unet
+
+
 def train_diffusion(
     unet: UNetModel,
     te: CLIPTextModel,
@@ -270,14 +294,15 @@ def train_diffusion(
     batch_size: int,
 ) -> int:
     params = list(unet.parameters()) + list(te.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01, fused=device.type == "cuda")
+    unet_step = compiled_or_eager(unet, latents[:8], device, log)
     alphas = sd_alphas_cumprod(device)
     unet.train()
     te.train()
-    step = start
+    step, began = start, time.time()
     while step < steps and time.time() < deadline:
         warm = min(1.0, (step - start + 1) / 300)
-        lr = 3e-4 * warm * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        lr = 3e-4 * warm * cosine(progress(step, steps, began, deadline), 0.05)
         for group in opt.param_groups:
             group["lr"] = lr
         index = torch.randint(0, len(latents), (batch_size,), device=device)
@@ -292,14 +317,14 @@ def train_diffusion(
         xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             context, _ = te(ids, clip_skip=1, norm_hidden=True)
-            pred = unet(xt, t.float(), context)
+            pred = unet_step(xt, t.float(), context)
         loss = F.mse_loss(pred.float(), noise)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        ema_unet.update(unet)
-        ema_te.update(te)
+        ema_unet.update()
+        ema_te.update()
         step += 1
         if step % 500 == 0 or step == steps:
             log(f"unet step {step}/{steps} loss {loss.item():.4f} lr {lr:.2e}")
@@ -362,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-steps", type=int, default=3000)
     parser.add_argument("--unet-steps", type=int, default=20000)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--vae-share", type=float, default=0.3, help="share of the time budget for the VAE")
     parser.add_argument("--time-budget", type=float, default=540.0, help="seconds; save and stop after")
     parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     parser.add_argument("--log", type=Path, help="also append log lines to this file")
@@ -382,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
             with args.log.open("a") as f:
                 f.write(line + "\n")
 
+    images, tokens = build_dataset(args.scenes, args.workers)  # before CUDA starts: the pool forks
+    log(f"rendered {len(images)} scenes at {SIDE}px with {tokens.shape[1]} captions each")
+    images = images.to(device)
     unet = UNetModel(UNET_CONFIG, device=device)
     vae = AutoencoderKL(VAE_CONFIG, device=device)
     te = CLIPTextModel(TE_CONFIG, layout="hf", device=device)
@@ -403,13 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, module in (("unet", unet), ("vae", vae), ("te", te)):
         log(f"{name}: {sum(p.numel() for p in module.parameters()):,} parameters")
 
-    images, tokens = build_dataset(args.scenes, args.workers)
-    log(f"rendered {len(images)} scenes at {SIDE}px with {tokens.shape[1]} captions each")
 
     run = {"vae_from": history["vae_steps"], "unet_from": history["unet_steps"]}
-    if history["vae_steps"] < args.vae_steps:
+    if history["unet_steps"] == 0 and history["vae_steps"] < args.vae_steps:  # the UNet fixes the latents
+        vae_deadline = time.time() + args.vae_share * (deadline - time.time())
         history["vae_steps"] = train_vae(
-            vae, images, args.vae_steps, history["vae_steps"], deadline, device, log
+            vae, images, args.vae_steps, history["vae_steps"], vae_deadline, device, log
         )
     vae.requires_grad_(False)
     latents = encode_latents(vae, images, device)
@@ -420,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = CLIPTokenizer(pad_with="eos")
     empty = torch.tensor(tokenize(tokenizer, ""), device=device)
     ema_unet, ema_te = EMA(unet, 0.999), EMA(te, 0.999)
-    if history["vae_steps"] >= args.vae_steps and history["unet_steps"] < args.unet_steps:
+    if history["unet_steps"] < args.unet_steps:
         history["unet_steps"] = train_diffusion(
             unet,
             te,
@@ -436,8 +464,8 @@ def main(argv: list[str] | None = None) -> int:
             log,
             args.batch_size,
         )
-        ema_unet.copy_to(unet)
-        ema_te.copy_to(te)
+        ema_unet.copy_to()
+        ema_te.copy_to()
 
     run.update(
         vae_to=history["vae_steps"],

@@ -27,7 +27,8 @@ def touch(path: Path) -> Path:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(models_root=tmp_path / "models", output_dir=tmp_path / "output", plugins_dir=None)
+    return Settings(models_root=tmp_path / "models", output_dir=tmp_path / "output", plugins_dir=None,
+                    embedded_models=False)
 
 
 def test_flag_beats_environment_beats_file_beats_default(tmp_path, monkeypatch):

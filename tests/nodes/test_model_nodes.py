@@ -189,8 +189,9 @@ def test_model_choices_list_the_models_folder_and_validation_rejects_others(sett
 
     registry = default_registry()
     choices = registry.get("CheckpointLoaderSimple").input_named("ckpt_name").current_choices()
-    assert choices == ["broken.safetensors", "sd1.safetensors", "sd2.safetensors", "sdxl.safetensors",
-                       "unet_only.safetensors"]
+    embedded = ["sluice-shapes.safetensors"]  # resources/models ships the embedded model
+    assert choices == sorted(["broken.safetensors", "sd1.safetensors", "sd2.safetensors", "sdxl.safetensors",
+                              "unet_only.safetensors", *embedded])
     workflow = Workflow()
     ckpt = add(workflow, "CheckpointLoaderSimple", ckpt_name="missing.safetensors")
     add(workflow, "VAEDecode", {"vae": (ckpt, 2, "VAE")})
