@@ -1,0 +1,214 @@
+"""Queueing and watching runs: validate and mark invalid nodes, hand workflow copies to the engine worker,
+and show what its events say (node progress and previews, overall progress, errors, output images).
+
+Seeds: after a finished run, control-after-generate is applied to the document through the undo stack
+(one "Advance seeds" step), so undo brings back the seed of a run one liked, and the title shows '*'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtGui import QImage
+from PySide6.QtWidgets import QProgressBar
+
+from app.canvas.commands import SetEntryCommand
+from app.canvas.scene import WorkflowScene
+from app.inspector import Inspector
+from app.panels import GalleryList, QueuePanel
+from app.worker import EngineWorker
+from engine.graph.executor import JobResult, advance_seeds
+from engine.graph.validate import validate
+from engine.telemetry import Event
+from nodes.registry import NodeRegistry
+
+IMAGE_EVENTS = ("image_saved", "image_preview")
+
+
+class RunController(QObject):
+    """Lives in the GUI thread; every worker signal arrives at one of its @Slot methods."""
+
+    job_done = Signal(str, str)  # job id, status: a GUI-thread relay of the worker's job_finished
+
+    def __init__(self, scene: WorkflowScene, registry: NodeRegistry, settings: Any, queue_panel: QueuePanel,
+                 gallery: GalleryList, inspector: Inspector, progress_bar: QProgressBar,
+                 show_message: Callable[[str], None], parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.scene = scene
+        self.registry = registry
+        self.queue_panel = queue_panel
+        self.gallery = gallery
+        self.inspector = inspector
+        self.progress_bar = progress_bar
+        self.show_message = show_message
+        self.labels: dict[str, str] = {}
+        self.statuses: dict[str, str] = {}  # job id -> final status
+        self.node_errors: dict[str, list[str]] = {}
+        self._node_count = 0
+        self._done = 0
+        self._job_number = 0
+        self.worker = EngineWorker(registry.get, settings)
+        self.worker.relay.event_received.connect(self.on_event)
+        self.worker.job_started.connect(self.on_job_started)
+        self.worker.job_finished.connect(self.on_job_finished)
+        queue_panel.cancel_requested.connect(self.cancel)
+        self.worker.start()
+
+    # -- commands from the window --
+
+    def queue_workflow(self) -> str | None:
+        """Validate the document; mark every invalid node, or queue a copy and return its job id."""
+        errors = validate(self.scene.workflow, self.registry.get)
+        self.node_errors = {}
+        for error in errors:
+            if error.node_id is not None and error.node_id in self.scene.workflow.nodes:
+                where = f"{error.input_name}: " if error.input_name else ""
+                self.node_errors.setdefault(error.node_id, []).append(where + error.message)
+        self._show_errors()
+        if errors:
+            self.show_message(f"Not queued: {len(errors)} problem(s); first: {errors[0]}")
+            return None
+        self._job_number += 1
+        label = f"Job {self._job_number}"
+        job_id = self.worker.submit(self.scene.workflow, label)
+        self.labels[job_id] = label
+        self.queue_panel.set_job(job_id, label, "pending")
+        self.show_message(f"{label} queued")
+        return job_id
+
+    @Slot(str)
+    def cancel(self, job_id: str) -> None:
+        if self.worker.queue.remove(job_id):
+            self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), "cancelled")
+            self.statuses[job_id] = "cancelled"
+        else:
+            self.worker.cancel(job_id)
+
+    def interrupt(self) -> None:
+        if self.worker.running_job_id is not None:
+            self.worker.interrupt()
+            self.show_message("Interrupting...")
+
+    def shutdown(self) -> None:
+        if self.worker.isRunning():
+            self.worker.stop()
+
+    # -- worker signals (queued into the GUI thread) --
+
+    @Slot(str)
+    def on_job_started(self, job_id: str) -> None:
+        self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), "running")
+
+    @Slot(str, str, object)
+    def on_job_finished(self, job_id: str, status: str, result: JobResult) -> None:
+        self.statuses[job_id] = status
+        self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), status)
+        self.scene.clear_run_state()
+        if status == "invalid":
+            self.node_errors = {}
+            for error in result.errors:
+                if error.node_id in self.scene.workflow.nodes:
+                    self.node_errors.setdefault(error.node_id, []).append(error.message)
+            self._show_errors()
+        if status == "finished":
+            self._advance_seeds()
+        self.job_done.emit(job_id, status)
+
+    @Slot(object)
+    def on_event(self, event: Event) -> None:
+        handler = getattr(self, f"_on_{event.kind}", None)
+        if handler is not None:
+            handler(event)
+        elif event.kind in IMAGE_EVENTS:
+            self._on_image(event)
+
+    # -- event handlers --
+
+    def _on_job_started(self, event: Event) -> None:
+        self._node_count = max(1, int(event.get("node_count", 0) or 0))
+        self._done = 0
+        self.node_errors = {}
+        self._show_errors()
+        self.progress_bar.setRange(0, 100 * self._node_count)
+        self.progress_bar.setValue(0)
+        self.progress_bar.setVisible(True)
+
+    def _title(self, node_id: str) -> str:
+        item = self.scene.node_items.get(node_id)
+        return item.title_text() if item is not None else f"node {node_id}"
+
+    def _on_node_started(self, event: Event) -> None:
+        self.scene.set_node_running(event["node_id"], True)
+        self.show_message(f"Running {self._title(event['node_id'])}")
+
+    def _on_node_cached(self, event: Event) -> None:
+        self._advance_overall(1.0)
+
+    def _on_node_finished(self, event: Event) -> None:
+        self.scene.set_node_running(event["node_id"], False)
+        self._advance_overall(1.0)
+
+    def _advance_overall(self, amount: float) -> None:
+        self._done += amount
+        self.progress_bar.setValue(int(100 * self._done))
+
+    def _on_progress(self, event: Event) -> None:
+        value, maximum = int(event.get("value", 0)), int(event.get("max", 0) or 0)
+        self.scene.set_node_running(event["node_id"], True, (value, maximum))
+        if maximum > 0:
+            self.progress_bar.setValue(int(100 * (self._done + min(1.0, value / maximum))))
+
+    def _on_preview(self, event: Event) -> None:
+        image = event.get("image")
+        if isinstance(image, QImage):
+            self.scene.set_node_image(event["node_id"], image)
+
+    def _on_image(self, event: Event) -> None:
+        path = event.get("path")
+        if path is None:
+            return
+        image = QImage(str(path))
+        node_id = event.get("node_id")
+        if not image.isNull() and node_id is not None:
+            self.scene.set_node_image(str(node_id), image)
+        self.gallery.add_image(str(path))
+
+    def _on_node_failed(self, event: Event) -> None:
+        node_id = event["node_id"]
+        message = f"{event.get('exception_type')}: {event.get('message')}"
+        self.node_errors = {node_id: [message]}
+        self._show_errors()
+        self.show_message(f"{self._title(node_id)} failed: {message}")
+
+    def _on_job_interrupted(self, event: Event) -> None:
+        self.show_message("Interrupted")
+
+    def _on_job_error(self, event: Event) -> None:
+        self.show_message(f"Engine error: {event.get('message')}")
+
+    def _on_job_finished(self, event: Event) -> None:
+        status = event.get("status")
+        seconds = event.get("seconds") or 0.0
+        self.progress_bar.setVisible(False)
+        if status == "finished":
+            self.show_message(f"Finished in {seconds:.1f} s")
+        elif status == "invalid":
+            self.show_message("Not run: the workflow is invalid")
+
+    def _show_errors(self) -> None:
+        self.scene.set_node_errors(self.node_errors)
+        self.inspector.set_messages(self.node_errors)
+
+    def _advance_seeds(self) -> None:
+        """Control after generate, applied to the document as one undoable step."""
+        changes = advance_seeds(self.scene.workflow.copy(), self.registry.get)
+        if not changes:
+            return
+        stack = self.scene.undo_stack
+        stack.beginMacro("Advance seeds")
+        for node_id, seeds in changes.items():
+            for name, seed in seeds.items():
+                stack.push(SetEntryCommand(self.scene, node_id, "widgets", name, seed))
+        stack.endMacro()
