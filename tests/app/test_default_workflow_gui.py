@@ -1,0 +1,39 @@
+"""A new user's first run: the window opens with the default workflow, Queue runs it on the embedded model,
+and the generated image (judged automatically) shows in the gallery."""
+
+from PIL import Image
+
+from engine.settings import Settings
+from nodes.registry import default_registry
+from tools.shapes_dataset import Scene, ShapeSpec
+from tools.shapes_judge import judge
+
+
+def test_default_workflow_opens_runs_and_shows_the_prompted_image(qtbot, app_data, tmp_path, screenshot):
+    from app import main_window, theme
+
+    settings = Settings(models_root=tmp_path / "models", output_dir=tmp_path / "output", plugins_dir=None)
+    theme.apply_dark_theme(main_window.QApplication.instance())
+    window = main_window.MainWindow(settings, default_registry(settings))
+    window.prompt_unsaved = lambda: "discard"
+    try:
+        window.show()
+        qtbot.waitExposed(window)
+        types = sorted(node.type for node in window.scene.workflow.nodes.values())
+        assert types == sorted(["CheckpointLoaderSimple", "CLIPLoader", "CLIPTextEncode", "CLIPTextEncode",
+                                "EmptyLatentImage", "KSampler", "VAEDecode", "SaveImage"])
+        job_id = window.queue()
+        assert job_id is not None
+        qtbot.waitUntil(lambda: window.runs.statuses.get(job_id) in ("finished", "failed"), timeout=120_000)
+        assert window.runs.statuses[job_id] == "finished"
+        qtbot.waitUntil(lambda: len(window.gallery.paths()) == 1, timeout=10_000)
+        image = Image.open(window.gallery.paths()[0])
+        assert image.size == (128, 128)
+        # The default prompt: "a large yellow star in the center on a blue background".
+        expected = Scene("blue", (ShapeSpec("star", "yellow", "large", "center"),))
+        assert judge(image, expected) == {"background": True, "color": True, "position": True, "size": True}
+        window.view.fit_to_content()
+        screenshot(window, "main_window_default_workflow_run.png")
+    finally:
+        window.close()
+        window.deleteLater()
