@@ -40,6 +40,9 @@ TYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in SAFETENSORS
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024
 
 
+WRAPPER_KEYS = ("state_dict", "params_ema", "params")  # keys that hold the real state dict in .pth files
+
+
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be read: unknown format, corrupt or truncated data, lying header."""
 
@@ -391,8 +394,10 @@ class TorchZipReader(CheckpointReader):
             obj = _unpickle(self._zip.read(pickles[0]), path)
         except zipfile.BadZipFile as exc:
             raise CheckpointError(f"corrupt torch checkpoint {path}: {exc}") from None
-        if isinstance(obj, dict) and isinstance(obj.get("state_dict"), dict):
-            obj = obj["state_dict"]
+        for wrapper in WRAPPER_KEYS:  # Lightning's "state_dict", BasicSR's "params_ema" / "params"
+            if isinstance(obj, dict) and isinstance(obj.get(wrapper), dict):
+                obj = obj[wrapper]
+                break
         if not isinstance(obj, dict):
             raise CheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict of tensors")
         self._lazy = {str(k): v for k, v in obj.items() if isinstance(v, _LazyTensor)}

@@ -76,11 +76,12 @@ def test_metadata_is_returned_as_strings(tmp_path, fmt):
         assert reader.metadata()["note"] == "x"
 
 
-def test_checkpoint_state_dict_wrapper_and_plain_dict_both_load(tmp_path):
+def test_checkpoint_state_dict_and_params_ema_wrappers_and_plain_dict_all_load(tmp_path):
     tensors = sample_tensors(torch.float32)
     torch.save(tensors, tmp_path / "plain.pt")
     torch.save({"state_dict": tensors, "global_step": 7, "epoch": 1}, tmp_path / "wrapped.ckpt")
-    for name in ("plain.pt", "wrapped.ckpt"):
+    torch.save({"params_ema": tensors}, tmp_path / "realesrgan.pth")  # BasicSR upscalers wrap it so
+    for name in ("plain.pt", "wrapped.ckpt", "realesrgan.pth"):
         with open_checkpoint(tmp_path / name) as reader:
             assert sorted(reader.keys()) == sorted(tensors)
 
