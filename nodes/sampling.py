@@ -1,8 +1,8 @@
 """Sampler nodes with ComfyUI's names and input order: KSampler and KSamplerAdvanced.
 
 Both are thin wrappers over engine/sampling/sample.py: the latent is scaled into the model's space, sampled
-with classifier-free guidance, and scaled back to the raw LATENT space. Progress and a cheap latent preview
-are reported every step.
+with classifier-free guidance, and scaled back to the raw LATENT space. Progress is reported every step, and
+a preview as the workflow's settings["preview"] asks (engine/previews.py: TAESD or latent-to-RGB).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from engine.graph.spec import (
     seed_input,
 )
 from engine.models.bundles import DiffusionModel, require
+from engine.previews import make_previewer
 from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS
 from engine.sampling.sample import sample
 from engine.sampling.schedulers import SCHEDULERS
@@ -43,16 +44,19 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
     device = model.torch_device
     cond = model.guidance_conditioning(positive, width, height)
     uncond = model.guidance_conditioning(negative, width, height)
+    previewer = make_previewer(getattr(ctx.workflow, "settings", None), model.latent_format, ctx.settings)
 
     def on_step(info: dict) -> None:
         ctx.report_progress(info["i"] + 1, info["total"])
+        image = previewer(info["i"], info["total"], info["denoised"]) if previewer is not None else None
+        if image is not None:
+            ctx.report_preview(image)
 
     result = sample(model.denoiser(), model.process_in(samples.float().to(device)), cond, uncond, cfg,
                     sampler_name, scheduler, steps, seed, denoise=denoise, add_noise=add_noise,
                     start_step=start_step, end_step=end_step,
                     return_with_leftover_noise=return_with_leftover_noise, callback=on_step,
-                    check_interrupt=ctx.check_interrupt, preview=lambda step, rgb: ctx.report_preview(rgb),
-                    family=model.latent_format)
+                    check_interrupt=ctx.check_interrupt, family=model.latent_format)
     return {**latent_image, "samples": model.process_out(result).cpu()}
 
 

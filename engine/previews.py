@@ -1,0 +1,87 @@
+"""Live sampling previews chosen by the workflow's settings: TAESD, the linear latent-to-RGB map, or none.
+
+`workflow.settings["preview"] = {"method": "auto" | "latent2rgb" | "taesd" | "none", "every": N}`; auto uses
+TAESD when vae_approx/ holds the family's decoder (taesd_decoder.* for SD1/SD2, taesdxl_decoder.* for SDXL)
+and the latent-to-RGB projection otherwise. Previews are at most 256 px on their longer side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.models.taesd import (
+    DECODER_NAMES,
+    cached_taesd_decoder,
+    find_taesd_decoder,
+    shrink_latent,
+    taesd_preview,
+)
+from engine.sampling.preview import latent_to_rgb
+from engine.settings import Settings
+
+PREVIEW_METHODS = ("auto", "latent2rgb", "taesd", "none")
+MAX_PREVIEW_SIZE = 256
+
+# (step index, total steps, denoised model-space latent [B, C, h, w]) -> (H, W, 3) uint8, or None to skip
+Previewer = Callable[[int, int, torch.Tensor], np.ndarray | None]
+
+
+@dataclass(frozen=True)
+class PreviewOptions:
+    method: str = "auto"  # one of PREVIEW_METHODS
+    every: int = 1  # preview every N-th step (and always the last one)
+
+
+def preview_options(workflow_settings: Mapping[str, Any] | None) -> PreviewOptions:
+    """The checked "preview" entry of a workflow's settings (defaults when absent)."""
+    entry = (workflow_settings or {}).get("preview", {})
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"settings.preview must be an object like {{'method': 'auto', 'every': 1}}; "
+                         f"got {entry!r}")
+    unknown = sorted(set(entry) - {"method", "every"})
+    if unknown:
+        raise ValueError(f"unknown settings.preview key(s) {', '.join(unknown)}; accepted: method, every")
+    method = entry.get("method", "auto")
+    if method not in PREVIEW_METHODS:
+        raise ValueError(f"unknown preview method {method!r}; accepted: {', '.join(PREVIEW_METHODS)}")
+    every = entry.get("every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"settings.preview.every must be a whole number of steps >= 1; got {every!r}")
+    return PreviewOptions(method, every)
+
+
+def _latent2rgb_preview(latent: torch.Tensor, family: str) -> np.ndarray:
+    """The linear projection of the first latent, area-downscaled first to at most 256 px."""
+    return latent_to_rgb(shrink_latent(latent[:1].float(), MAX_PREVIEW_SIZE), family)
+
+
+def make_previewer(workflow_settings: Mapping[str, Any] | None, family: str,
+                   models: Settings | None = None) -> Previewer | None:
+    """The per-step preview function for a sampler of latent `family` ("sd1", "sdxl"), or None when off.
+
+    `models` locates vae_approx/ for TAESD; without it, auto means latent2rgb.
+    """
+    options = preview_options(workflow_settings)
+    if options.method == "none":
+        return None
+    decoder_path = find_taesd_decoder(models, family) if options.method in ("auto", "taesd") else None
+    if options.method == "taesd" and decoder_path is None:
+        expected = DECODER_NAMES.get(family, "a TAESD decoder")
+        where = models.model_dirs("vae_approx")[0] if models is not None else "vae_approx/ (no models folder)"
+        raise ValueError(f"preview method 'taesd' needs {expected}.safetensors for latent family {family!r} "
+                         f"in {where}; TAESD decoders exist for: {', '.join(DECODER_NAMES)}")
+
+    def previewer(step: int, total: int, denoised: torch.Tensor) -> np.ndarray | None:
+        if step % options.every != 0 and step != total - 1:
+            return None
+        if decoder_path is not None:
+            decoder = cached_taesd_decoder(decoder_path, denoised.device)
+            return taesd_preview(decoder, denoised, MAX_PREVIEW_SIZE)
+        return _latent2rgb_preview(denoised, family)
+
+    return previewer
