@@ -28,7 +28,7 @@ def sd15_unet_config() -> UNetConfig:
                       num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
                       transformer_depth_middle=1, num_heads=8, num_head_channels=-1, context_dim=768,
                       use_linear_in_transformer=False, adm_in_channels=None, num_classes=None,
-                      prediction="eps", family="sd15")
+                      prediction="eps", family="sd1")
 
 
 def sd21_unet_config(prediction: str = "v") -> UNetConfig:
@@ -39,7 +39,7 @@ def sd21_unet_config(prediction: str = "v") -> UNetConfig:
                       num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
                       transformer_depth_middle=1, num_heads=-1, num_head_channels=64, context_dim=1024,
                       use_linear_in_transformer=True, adm_in_channels=None, num_classes=None,
-                      prediction=prediction, family="sd21")
+                      prediction=prediction, family="sd2")
 
 
 def sdxl_unet_config() -> UNetConfig:
