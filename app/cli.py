@@ -1,4 +1,5 @@
-"""The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes).
+"""The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes, devices,
+plan).
 
 Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
 This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
@@ -129,10 +130,73 @@ def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
         signal.signal(signal.SIGINT, previous)
 
 
+MEMORY_FLAGS = ("backend", "params_backend", "split_mode", "max_vram", "flash_attn", "conv_direct",
+                "auto_fit", "vae_tiling", "clip_on_cpu", "vae_on_cpu", "control_net_cpu", "offload_to_cpu",
+                "dit_offload", "text_encoder_offload", "vae_offload", "disable_prefetch",
+                "disable_segmented_compute")
+
+
+class MemorySettingsError(Exception):
+    """Memory settings of the workflow file that are not valid (exit code 1, like other invalid workflows)."""
+
+
+def configure_memory(args: argparse.Namespace, workflow: Workflow) -> Any:
+    """Give the process's memory runtime the CLI flags (over the workflow's settings["memory"]); returns it.
+
+    A bad flag is a CommandError (exit 2) and bad workflow settings a MemorySettingsError (exit 1), each
+    naming the value and what is accepted; every module's placement is resolved now, so an unknown device
+    fails before anything loads."""
+    from engine.memory.runtime import get_runtime
+    from engine.placement import (
+        MODULES,
+        MemorySettings,
+        PlacementError,
+        placement_for,
+        settings_from_namespace,
+    )
+
+    overrides = {name: getattr(args, name) for name in MEMORY_FLAGS if getattr(args, name, None)}
+    try:
+        settings_from_namespace(argparse.Namespace(**overrides))
+    except PlacementError as error:
+        raise CommandError(f"invalid memory flag: {error}") from None
+    runtime = get_runtime()
+
+    def resolved(settings: MemorySettings) -> MemorySettings:
+        for module in MODULES:
+            placement_for(module, settings, runtime.devices)
+        return settings
+
+    try:
+        base = MemorySettings.from_dict(workflow.settings.get("memory", {}))
+        settings = resolved(settings_from_namespace(argparse.Namespace(**overrides), base))
+    except PlacementError as error:
+        try:  # whose fault: the file's (exit 1), or the flags' (exit 2)
+            resolved(MemorySettings.from_dict(workflow.settings.get("memory", {})))
+        except PlacementError as file_error:
+            raise MemorySettingsError(f"invalid settings.memory in the workflow: {file_error}") from None
+        raise CommandError(f"invalid memory settings: {error}") from None
+    for warning in settings.warnings:
+        print(f"sluice: warning: {warning}", file=sys.stderr)
+    runtime.overrides = overrides
+    runtime.configure(settings)
+    return runtime
+
+
+def _placement_printer(quiet: bool) -> Callable[[Any], None]:
+    def show(event: Any) -> None:
+        if event.kind == "placement" and event.get("source") == "auto-fit" and not quiet:
+            print(f"auto-fit: {event.get('module')} computes on {event.get('device')}, weights "
+                  f"{event.get('params')} ({event.get('reason')})", file=sys.stderr)
+
+    return show
+
+
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
     from engine.graph.validate import validate
+    from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
 
     settings = _settings(args)
@@ -144,15 +208,25 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
         for error in errors:
             print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
+    try:
+        configure_memory(args, workflow)
+    except MemorySettingsError as error:
+        print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
     executor = Executor(registry.get, bus=bus, settings=settings)
     printer = ProgressPrinter(workflow, quiet=args.quiet)
     unsubscribe = bus.subscribe(printer)
+    unsubscribe_placements = bus.subscribe(_placement_printer(args.quiet))
+    trace = ChromeTrace(args.trace, bus) if getattr(args, "trace", None) else None
     try:
         with _interrupt_on_ctrl_c(executor):
             result = executor.run(workflow)
     finally:
         unsubscribe()
+        unsubscribe_placements()
         printer.close()
+        if trace is not None:
+            print(f"sluice: trace written to {trace.close()}", file=sys.stderr)
     for saved in printer.saved_files:
         print(saved)
     if result.status == "finished":
@@ -329,6 +403,9 @@ def _add_run_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
                                    description="Run a workflow file headless and print the saved files.")
     parser.add_argument("workflow", help="workflow JSON file")
     _add_run_options(parser, suppress=True)
+    parser.add_argument("--trace", metavar="FILE",
+                        help="write a Chrome trace (Perfetto) of the memory runtime")
+    _add_memory_options(parser)
     parser.set_defaults(handler=command_run)
 
 
@@ -379,6 +456,56 @@ def command_nodes(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_memory_options(parser: argparse.ArgumentParser) -> None:
+    from engine.placement import add_placement_arguments
+
+    add_placement_arguments(parser)
+
+
+def _add_devices_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("devices", parents=[common], help="list the compute devices and memory")
+    parser.set_defaults(handler=command_devices)
+
+
+def command_devices(args: argparse.Namespace) -> int:
+    from engine.devices import format_devices
+
+    print(format_devices())
+    return EXIT_OK
+
+
+def _add_plan_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("plan", parents=[common], help="print the memory plan without loading",
+                                   description="Print the auto-fit placement of every loader of a "
+                                               "workflow and the predicted memory per device, from file "
+                                               "headers alone.")
+    parser.add_argument("workflow", help="workflow JSON file")
+    parser.add_argument("--set", action="append", metavar="NODE_ID.INPUT=VALUE",
+                        help="override a widget value")
+    _add_memory_options(parser)
+    parser.set_defaults(handler=command_plan)
+
+
+def command_plan(args: argparse.Namespace) -> int:
+    from nodes.loaders import workflow_plan
+
+    settings = _settings(args)
+    registry = _registry(settings)
+    workflow = _load_workflow(args.workflow, registry.get)
+    apply_overrides(workflow, args.set or [], registry.get)
+    try:
+        runtime = configure_memory(args, workflow)
+        plan = workflow_plan(workflow, settings, runtime)
+    except MemorySettingsError as error:
+        print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    if not plan.choices:
+        print("no model loaders with readable files in this workflow")
+        return EXIT_OK
+    print(plan.format())
+    return EXIT_OK
+
+
 def command_gui(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
@@ -421,6 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(subparsers, common)
     _add_validate_parser(subparsers, common)
     _add_nodes_parser(subparsers, common)
+    _add_devices_parser(subparsers, common)
+    _add_plan_parser(subparsers, common)
     return parser
 
 

@@ -1,6 +1,10 @@
-"""Latent nodes with ComfyUI's names and input order: EmptyLatentImage, VAEDecode, VAEEncode.
+"""Latent nodes with ComfyUI's names and input order: EmptyLatentImage, VAEDecode, VAEEncode and their
+tiled variants.
 
-LATENT is {"samples": [B, 4, h, w]} in the VAE's raw latent space, as in ComfyUI.
+LATENT is {"samples": [B, 4, h, w]} in the VAE's raw latent space, as in ComfyUI. VAEDecode and VAEEncode
+tile as the memory settings' vae_tiling says (on, off, auto: reference/004's relative tile size 5 with 25 %
+overlap), and any decode or encode that runs out of memory retries in half-size tiles. The Tiled nodes take
+ComfyUI's absolute tile size and overlap in pixels (the temporal inputs are for video VAEs and unused).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from typing import Any
 import torch
 
 from engine.graph.spec import NodeType, Output, RunContext, int_input, link_input
+from engine.memory.runtime import get_runtime
+from engine.memory.vae_tiling import TilingConfig
 from engine.models.bundles import VAEModel, require
 
 MAX_RESOLUTION = 16384
@@ -48,7 +54,7 @@ class VAEDecode(NodeType):
     outputs = (Output("IMAGE", "IMAGE"),)
 
     def run(self, ctx: RunContext, samples: Any, vae: Any) -> tuple:
-        return (require(vae, "VAE", VAEModel).decode(latent_samples(samples)),)
+        return (require(vae, "VAE", VAEModel).decode(latent_samples(samples), settings_tiling()),)
 
 
 class VAEEncode(NodeType):
@@ -59,7 +65,53 @@ class VAEEncode(NodeType):
     outputs = (Output("LATENT", "LATENT"),)
 
     def run(self, ctx: RunContext, pixels: torch.Tensor, vae: Any) -> tuple:
-        return ({"samples": require(vae, "VAE", VAEModel).encode(pixels)},)
+        return ({"samples": require(vae, "VAE", VAEModel).encode(pixels, settings_tiling())},)
 
 
-NODE_TYPES = (EmptyLatentImage, VAEDecode, VAEEncode)
+def settings_tiling() -> TilingConfig:
+    """The tiling mode of the memory settings (workflow file, then `--vae-tiling`)."""
+    return TilingConfig(get_runtime().settings.vae_tiling)
+
+
+def tiled_inputs() -> tuple:
+    return (int_input("tile_size", 512, min=64, max=4096, step=32, description="tile side in pixels"),
+            int_input("overlap", 64, min=0, max=4096, step=32, description="pixels shared by neighbours"),
+            int_input("temporal_size", 64, min=8, max=4096, step=4, description="video VAEs only (unused)"),
+            int_input("temporal_overlap", 8, min=4, max=4096, step=4, description="video VAEs only (unused)"))
+
+
+def absolute_tiling(vae: VAEModel, tile_size: int, overlap: int) -> TilingConfig:
+    """ComfyUI's pixel tile size and overlap as a TilingConfig in latent cells."""
+    if overlap * 2 > tile_size:
+        raise ValueError(f"overlap {overlap} is more than half the tile size {tile_size}; "
+                         f"accepted: 0 to {tile_size // 2} pixels")
+    return TilingConfig("on", tile_size=max(1, tile_size // vae.downscale), overlap=overlap / tile_size)
+
+
+class VAEDecodeTiled(NodeType):
+    display_name = "VAE Decode (Tiled)"
+    category = "_for_testing"
+    description = "Decodes latents in overlapping tiles, feather-blended: a lower memory peak, more time."
+    inputs = (link_input("samples", "LATENT"), link_input("vae", "VAE"), *tiled_inputs())
+    outputs = (Output("IMAGE", "IMAGE"),)
+
+    def run(self, ctx: RunContext, samples: Any, vae: Any, tile_size: int, overlap: int,
+            temporal_size: int = 64, temporal_overlap: int = 8) -> tuple:
+        vae = require(vae, "VAE", VAEModel)
+        return (vae.decode(latent_samples(samples), absolute_tiling(vae, tile_size, overlap)),)
+
+
+class VAEEncodeTiled(NodeType):
+    display_name = "VAE Encode (Tiled)"
+    category = "_for_testing"
+    description = "Encodes images in overlapping tiles, feather-blended: a lower memory peak, more time."
+    inputs = (link_input("pixels", "IMAGE"), link_input("vae", "VAE"), *tiled_inputs())
+    outputs = (Output("LATENT", "LATENT"),)
+
+    def run(self, ctx: RunContext, pixels: torch.Tensor, vae: Any, tile_size: int, overlap: int,
+            temporal_size: int = 64, temporal_overlap: int = 8) -> tuple:
+        vae = require(vae, "VAE", VAEModel)
+        return ({"samples": vae.encode(pixels, absolute_tiling(vae, tile_size, overlap))},)
+
+
+NODE_TYPES = (EmptyLatentImage, VAEDecode, VAEEncode, VAEDecodeTiled, VAEEncodeTiled)

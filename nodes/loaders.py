@@ -3,17 +3,35 @@
 Model-choice widgets list the files of the models folder. Validation reads the choices without a context,
 so they come from the settings given to `configure` (or, until then, from `load_settings()`: flags are not
 seen there, the environment and the settings file are); running nodes use the executor's settings.
+
+Every loader ends with `backend` (a compute device name, or auto) and `params_backend` (auto, device, cpu,
+disk), after ComfyUI's inputs so that ComfyUI's positional widget values still import. Placement
+precedence: `sluice run` flags > the node's own values (when not auto) > the workflow's settings["memory"]
+> defaults; with no explicit params anywhere, auto-fit plans every loader of the workflow from the file
+headers (engine/memory/autofit.py) and each node takes its components' choices.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.graph.spec import NodeType, Output, RunContext, combo_input
+from engine.devices import DeviceError, resolve_device
+from engine.graph.spec import STRING, Input, NodeType, Output, RunContext, combo_input
+from engine.memory.autofit import (
+    AutoFitPlan,
+    ComponentNeed,
+    component_needs,
+    plan_placements,
+    planning_room,
+    publish_plan,
+)
+from engine.memory.runtime import NODE_PARAMS, MemoryRuntime, get_runtime
 from engine.models.bundles import MissingComponent
+from engine.models.formats import CheckpointError
 from engine.models.loader import (
     ADD_LOADER_HINT,
     COMPONENT_NAMES,
@@ -21,10 +39,11 @@ from engine.models.loader import (
     load_diffusion_model,
     load_text_encoders,
     load_vae,
+    parse_dtype,
 )
 from engine.settings import Settings, SettingsError, load_settings
 
-COMPUTE_DEVICE = "auto"  # the memory-runtime issue replaces this with per-node backend inputs
+COMPUTE_DEVICE = "auto"  # what a node's backend "auto" stands for (the workflow's and CLI's choice)
 WEIGHT_DTYPES = ("default", "fp32", "fp16", "bf16")
 CLIP_TYPES = {"stable_diffusion": None, "sd1": "sd1", "sd2": "sd2", "sdxl_refiner": "sdxl_refiner"}
 DUAL_CLIP_TYPES = {"sdxl": "sdxl"}
@@ -63,6 +82,100 @@ def file_fingerprint(*paths: Path) -> tuple:
     return tuple((str(p), os.stat(p).st_mtime_ns, os.stat(p).st_size) for p in paths)
 
 
+@dataclass(frozen=True)
+class DeviceNameInput(Input):
+    """A STRING widget that validates as a compute device name (cpu, cuda0, mps, auto, gpu, a prefix)."""
+
+    def check_value(self, value: Any) -> str | None:
+        problem = super().check_value(value)
+        if problem is None and value.strip().lower() not in ("", "auto"):
+            try:
+                resolve_device(value)
+            except DeviceError as error:
+                return f"{self.name}: {error}"
+        return problem
+
+
+def placement_inputs() -> tuple[Input, ...]:
+    return (DeviceNameInput("backend", STRING, "auto",
+                            description="compute device: auto, cpu, cuda0, ... (sluice devices lists them)"),
+            combo_input("params_backend", NODE_PARAMS, "auto",
+                        description="where the weights live: auto (auto-fit), device, cpu (RAM), disk"))
+
+
+def _memory_of(workflow: Any) -> dict[str, Any] | None:
+    return None if workflow is None else workflow.settings.get("memory")
+
+
+def _node_backend(backend: str) -> str:
+    return COMPUTE_DEVICE if backend.strip().lower() in ("", "auto") else backend
+
+
+def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any], settings: Settings | None,
+               workflow_memory: dict[str, Any] | None, runtime: MemoryRuntime) -> list[ComponentNeed]:
+    """The header-only needs of one loader node's components, with explicit params choices fixed."""
+    files = node_type.memory_files(settings, widgets)
+    backend, params = _node_backend(widgets.get("backend", "auto")), widgets.get("params_backend", "auto")
+    resolved = {m: runtime.resolve_placement(m, workflow_memory, backend, params) for m in files}
+    dtype = parse_dtype(widgets.get("weight_dtype", "default"))
+    needs = []
+    for module, paths in files.items():
+        parts = [need for path in paths
+                 for need in component_needs(path, {module: resolved[module].compute}, node_id, dtype)]
+        if parts:
+            needs.append(ComponentNeed(f"{node_id}/{module}", module, resolved[module].compute,
+                                       sum(p.weight_bytes for p in parts),
+                                       max(p.largest_tensor_bytes for p in parts),
+                                       fixed=resolved[module].params))
+    return needs
+
+
+def workflow_plan(workflow: Any, settings: Settings | None, runtime: MemoryRuntime | None = None,
+                  ) -> AutoFitPlan:
+    """The auto-fit plan of every loader node of `workflow`, from file headers alone (nothing is loaded).
+    A loader whose file cannot be read is left out (running it reports the problem)."""
+    runtime = runtime or get_runtime()
+    needs = []
+    for node_id, node in workflow.nodes.items():
+        node_type = LOADERS.get(node.type)
+        if node_type is None or node.mode != "normal":
+            continue
+        widgets = {**node_type.default_widget_values(), **node.widgets}
+        try:
+            needs += node_needs(node_id, node_type, widgets, settings, _memory_of(workflow), runtime)
+        except (CheckpointError, SettingsError, OSError, ValueError):
+            continue
+    gpu_room, ram_room = planning_room(runtime.devices, runtime.settings)
+    return plan_placements(needs, gpu_room, ram_room)
+
+
+def node_targets(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, Any],
+                 ) -> tuple[dict[str, str], dict[str, str]]:
+    """(compute device, params home) per module of a running loader node, auto-fit included."""
+    runtime = get_runtime()
+    memory = _memory_of(ctx.workflow)
+    backend, params = _node_backend(widgets["backend"]), widgets["params_backend"]
+    modules = list(node_type.memory_files(ctx.settings, widgets))
+    resolved = {m: runtime.resolve_placement(m, memory, backend, params) for m in modules}
+    homes = {m: r.params for m, r in resolved.items()}
+    if any(home is None for home in homes.values()):
+        if ctx.workflow is not None and ctx.node_id in ctx.workflow.nodes:
+            plan = workflow_plan(ctx.workflow, ctx.settings, runtime)
+        else:
+            needs = node_needs(ctx.node_id, node_type, widgets, ctx.settings, memory, runtime)
+            plan = plan_placements(needs, *planning_room(runtime.devices, runtime.settings))
+        if plan.format() != runtime.published_plan:
+            runtime.published_plan = plan.format()
+            publish_plan(plan, runtime.bus)
+        for module, home in homes.items():
+            if home is None:
+                try:
+                    homes[module] = plan.choice(f"{ctx.node_id}/{module}").params
+                except KeyError:
+                    homes[module] = "device"
+    return {m: r.compute for m, r in resolved.items()}, homes
+
+
 def _missing(name: str, component: str, kind: str) -> MissingComponent:
     return MissingComponent(kind, f"checkpoint {name!r} has no {COMPONENT_NAMES[component]}; "
                                   f"{ADD_LOADER_HINT[component]} and connect its {kind} output")
@@ -73,16 +186,24 @@ class CheckpointLoaderSimple(NodeType):
     category = "loaders"
     description = "Loads a single-file SD1.x / SD2.x / SDXL checkpoint: diffusion model, text encoder, VAE."
     memory_module = "diffusion"
-    inputs = (combo_input("ckpt_name", model_choices("checkpoints")),)
+    inputs = (combo_input("ckpt_name", model_choices("checkpoints")), *placement_inputs())
     outputs = (Output("MODEL", "MODEL"), Output("CLIP", "CLIP"), Output("VAE", "VAE"))
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:
         return file_fingerprint(model_path(settings, "checkpoints", widgets["ckpt_name"]))
 
-    def run(self, ctx: RunContext, ckpt_name: str) -> tuple:
+    @classmethod
+    def memory_files(cls, settings: Any, widgets: dict[str, Any]) -> dict[str, list[Path]]:
+        path = model_path(settings, "checkpoints", widgets["ckpt_name"])
+        return {"diffusion": [path], "te": [path], "vae": [path]}
+
+    def run(self, ctx: RunContext, ckpt_name: str, backend: str = "auto",
+            params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "checkpoints", ckpt_name)
-        model, clip, vae = load_checkpoint(path, device=COMPUTE_DEVICE)
+        devices, homes = node_targets(ctx, type(self), {"ckpt_name": ckpt_name, "backend": backend,
+                                                        "params_backend": params_backend})
+        model, clip, vae = load_checkpoint(path, device=devices, params=homes, runtime=get_runtime())
         return (model or _missing(ckpt_name, "diffusion", "MODEL"), clip or _missing(ckpt_name, "te", "CLIP"),
                 vae or _missing(ckpt_name, "vae", "VAE"))
 
@@ -93,16 +214,24 @@ class UNETLoader(NodeType):
     description = "Loads a diffusion model (UNet) file from diffusion_models/ (or unet/)."
     memory_module = "diffusion"
     inputs = (combo_input("unet_name", model_choices("diffusion_models")),
-              combo_input("weight_dtype", WEIGHT_DTYPES, "default"))
+              combo_input("weight_dtype", WEIGHT_DTYPES, "default"), *placement_inputs())
     outputs = (Output("MODEL", "MODEL"),)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:
         return file_fingerprint(model_path(settings, "diffusion_models", widgets["unet_name"]))
 
-    def run(self, ctx: RunContext, unet_name: str, weight_dtype: str) -> tuple:
+    @classmethod
+    def memory_files(cls, settings: Any, widgets: dict[str, Any]) -> dict[str, list[Path]]:
+        return {"diffusion": [model_path(settings, "diffusion_models", widgets["unet_name"])]}
+
+    def run(self, ctx: RunContext, unet_name: str, weight_dtype: str, backend: str = "auto",
+            params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "diffusion_models", unet_name)
-        return (load_diffusion_model(path, weight_dtype, device=COMPUTE_DEVICE),)
+        devices, homes = node_targets(ctx, type(self), {"unet_name": unet_name, "weight_dtype": weight_dtype,
+                                                        "backend": backend, "params_backend": params_backend})
+        return (load_diffusion_model(path, weight_dtype, devices["diffusion"], homes["diffusion"],
+                                     get_runtime()),)
 
 
 class CLIPLoader(NodeType):
@@ -112,16 +241,24 @@ class CLIPLoader(NodeType):
                    "SD2 and the SDXL refiner apart by the encoder in the file.")
     memory_module = "te"
     inputs = (combo_input("clip_name", model_choices("text_encoders")),
-              combo_input("type", tuple(CLIP_TYPES), "stable_diffusion"))
+              combo_input("type", tuple(CLIP_TYPES), "stable_diffusion"), *placement_inputs())
     outputs = (Output("CLIP", "CLIP"),)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:
         return file_fingerprint(model_path(settings, "text_encoders", widgets["clip_name"]))
 
-    def run(self, ctx: RunContext, clip_name: str, type: str) -> tuple:
+    @classmethod
+    def memory_files(cls, settings: Any, widgets: dict[str, Any]) -> dict[str, list[Path]]:
+        return {"te": [model_path(settings, "text_encoders", widgets["clip_name"])]}
+
+    def run(self, ctx: RunContext, clip_name: str, type: str, backend: str = "auto",
+            params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "text_encoders", clip_name)
-        return (load_text_encoders([path], CLIP_TYPES[type], device=COMPUTE_DEVICE),)
+        devices, homes = node_targets(ctx, CLIPLoader, {"clip_name": clip_name, "backend": backend,
+                                                        "params_backend": params_backend})
+        return (load_text_encoders([path], CLIP_TYPES[type], None, devices["te"], homes["te"],
+                                   get_runtime()),)
 
 
 class DualCLIPLoader(NodeType):
@@ -131,7 +268,7 @@ class DualCLIPLoader(NodeType):
     memory_module = "te"
     inputs = (combo_input("clip_name1", model_choices("text_encoders")),
               combo_input("clip_name2", model_choices("text_encoders")),
-              combo_input("type", tuple(DUAL_CLIP_TYPES), "sdxl"))
+              combo_input("type", tuple(DUAL_CLIP_TYPES), "sdxl"), *placement_inputs())
     outputs = (Output("CLIP", "CLIP"),)
 
     @classmethod
@@ -139,9 +276,19 @@ class DualCLIPLoader(NodeType):
         return file_fingerprint(*(model_path(settings, "text_encoders", widgets[name])
                                   for name in ("clip_name1", "clip_name2")))
 
-    def run(self, ctx: RunContext, clip_name1: str, clip_name2: str, type: str) -> tuple:
+    @classmethod
+    def memory_files(cls, settings: Any, widgets: dict[str, Any]) -> dict[str, list[Path]]:
+        return {"te": [model_path(settings, "text_encoders", widgets[name])
+                       for name in ("clip_name1", "clip_name2")]}
+
+    def run(self, ctx: RunContext, clip_name1: str, clip_name2: str, type: str, backend: str = "auto",
+            params_backend: str = "auto") -> tuple:
         paths = [model_path(ctx.settings, "text_encoders", name) for name in (clip_name1, clip_name2)]
-        return (load_text_encoders(paths, DUAL_CLIP_TYPES[type], device=COMPUTE_DEVICE),)
+        widgets = {"clip_name1": clip_name1, "clip_name2": clip_name2, "backend": backend,
+                   "params_backend": params_backend}
+        devices, homes = node_targets(ctx, DualCLIPLoader, widgets)
+        return (load_text_encoders(paths, DUAL_CLIP_TYPES[type], None, devices["te"], homes["te"],
+                                   get_runtime()),)
 
 
 class VAELoader(NodeType):
@@ -149,15 +296,24 @@ class VAELoader(NodeType):
     category = "loaders"
     description = "Loads a VAE file from vae/."
     memory_module = "vae"
-    inputs = (combo_input("vae_name", model_choices("vae")),)
+    inputs = (combo_input("vae_name", model_choices("vae")), *placement_inputs())
     outputs = (Output("VAE", "VAE"),)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:
         return file_fingerprint(model_path(settings, "vae", widgets["vae_name"]))
 
-    def run(self, ctx: RunContext, vae_name: str) -> tuple:
-        return (load_vae(model_path(ctx.settings, "vae", vae_name), device=COMPUTE_DEVICE),)
+    @classmethod
+    def memory_files(cls, settings: Any, widgets: dict[str, Any]) -> dict[str, list[Path]]:
+        return {"vae": [model_path(settings, "vae", widgets["vae_name"])]}
+
+    def run(self, ctx: RunContext, vae_name: str, backend: str = "auto",
+            params_backend: str = "auto") -> tuple:
+        devices, homes = node_targets(ctx, VAELoader, {"vae_name": vae_name, "backend": backend,
+                                                       "params_backend": params_backend})
+        return (load_vae(model_path(ctx.settings, "vae", vae_name), None, devices["vae"], homes["vae"],
+                         get_runtime()),)
 
 
 NODE_TYPES = (CheckpointLoaderSimple, UNETLoader, CLIPLoader, DualCLIPLoader, VAELoader)
+LOADERS = {node_type.type_name: node_type for node_type in NODE_TYPES}

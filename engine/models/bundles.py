@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from engine.memory.runtime import ModuleMemory, torch_device
+from engine.memory.vae_tiling import TilingConfig, code_with_fallback
 from engine.models.clip import CLIPTextModel
 from engine.models.conditioning import (
     SD1Conditioner,
@@ -29,6 +31,7 @@ from engine.models.conditioning import (
     sdxl_adm,
     sdxl_refiner_adm,
 )
+from engine.models.staged import Stage
 from engine.models.tokenizer import CLIPTokenizer
 from engine.models.unet import UNetModel
 from engine.models.vae import AutoencoderKL
@@ -80,6 +83,7 @@ class DiffusionModel:
     params_location: str = "device"  # where the weights live: "device", "cpu" (pinned RAM) or "disk"
     source: Path | None = None
     options: dict[str, Any] = field(default_factory=dict)  # per-clone settings (later: LoRA patches)
+    memory: ModuleMemory | None = None  # set when the memory runtime holds the weights
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,7 +91,7 @@ class DiffusionModel:
 
     @property
     def torch_device(self) -> torch.device:
-        return next(self.unet.parameters()).device
+        return torch_device(self.compute_device)
 
     @property
     def latent_format(self) -> str:
@@ -109,8 +113,12 @@ class DiffusionModel:
               y: torch.Tensor | None = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x."""
         device = self.torch_device
-        out = self.unet(x.to(device), timesteps.to(device), context.to(device),
-                        None if y is None else y.to(device))
+        inputs = (x.to(device), timesteps.to(device), context.to(device), None if y is None else y.to(device))
+        if _managed(self.memory, self.unet):
+            state = self.memory.run(0, self.unet, self.unet.stages(), self.unet.initial_state(*inputs))
+            out = state["h"]
+        else:
+            out = self.unet(*inputs)
         return out.to(device=x.device, dtype=x.dtype)
 
     def denoiser(self) -> Denoiser:
@@ -169,6 +177,49 @@ def build_conditioner(family: str, encoders: Sequence[CLIPTextModel]) -> Any:
     return builders[family](*encoders)
 
 
+def _managed(memory: ModuleMemory | None, model: torch.nn.Module, index: int = 0) -> bool:
+    """Whether `model` runs through the memory runtime. A copy made from it (a LoRA patch) runs as a plain
+    module; that needs its weights on the device, so a copy of offloaded weights is refused clearly."""
+    if memory is None:
+        return False
+    if memory.holds(index, model):
+        return True
+    if memory.params != "device":
+        raise ValueError(f"a patched copy of the {memory.kind} model cannot run with its weights at "
+                         f"{memory.params!r}; load it with params_backend device")
+    return False
+
+
+class ManagedEncoder:
+    """Stands in for a CLIPTextModel inside a conditioner: the same calls, run through the memory runtime."""
+
+    def __init__(self, model: CLIPTextModel, memory: ModuleMemory, index: int) -> None:
+        self.model = model
+        self.memory = memory
+        self.index = index
+        self.config = model.config
+        self._device_marker = torch.empty(0, device=torch_device(memory.compute))
+
+    def parameters(self) -> Any:
+        """Only the device is read from it (`next(model.parameters()).device`)."""
+        return iter((self._device_marker,))
+
+    def token_embeddings(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Embedding vectors of `tokens` [B, T] -> [B, T, W], with the embedding weights staged in."""
+        embeddings = self.model.stages()[0]
+        stage = Stage("token_embeddings", embeddings.modules,
+                      lambda state: {"embeds": self.model.token_embeddings(state["tokens"])})
+        return self.memory.run(self.index, self.model, [stage], {"tokens": tokens})["embeds"]
+
+    def __call__(self, tokens: torch.Tensor, clip_skip: int = 1, return_pooled: bool = False,
+                 norm_hidden: bool = True, token_embeds: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """CLIPTextModel.forward through the runtime: (hidden [B, T, W], pooled or None)."""
+        state = self.model.initial_state(tokens, clip_skip, return_pooled, norm_hidden, token_embeds)
+        state = self.memory.run(self.index, self.model, self.model.stages(), state)
+        return state["hidden"], state["pooled"]
+
+
 @dataclass
 class TextEncoder:
     """A family's CLIP encoder(s) with tokenizers and the chosen layer (ComfyUI's CLIP)."""
@@ -180,6 +231,7 @@ class TextEncoder:
     clip_skip: int | None = None  # None: the family's default layer; n: the n-th layer from the end
     params_location: str = "device"
     sources: tuple[Path, ...] = ()
+    memory: ModuleMemory | None = None  # set when the memory runtime holds the weights
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -258,10 +310,11 @@ class VAEModel:
     compute_device: str
     params_location: str = "device"
     source: Path | None = None
+    memory: ModuleMemory | None = None  # set when the memory runtime holds the weights
 
     @property
     def torch_device(self) -> torch.device:
-        return next(self.autoencoder.parameters()).device
+        return torch_device(self.compute_device)
 
     @property
     def latent_channels(self) -> int:
@@ -273,20 +326,27 @@ class VAEModel:
         return 2 ** (len(self.autoencoder.config.ch_mult) - 1)
 
     @torch.no_grad()
-    def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """Raw latent [B, C, h, w] -> IMAGE [B, 8h, 8w, 3] float32 in 0..1 on the CPU."""
+    def decode(self, latent: torch.Tensor, tiling: TilingConfig | None = None) -> torch.Tensor:
+        """Raw latent [B, C, h, w] -> IMAGE [B, 8h, 8w, 3] float32 in 0..1 on the CPU.
+
+        `tiling` (default off) decodes in tiles; a decode that runs out of memory retries tiled regardless.
+        """
+        tiling = tiling or TilingConfig("off")
         if latent.ndim != 4 or latent.shape[1] != self.latent_channels:
             raise ValueError(f"VAE decode needs a latent of shape (B, {self.latent_channels}, h, w); got "
                              f"{tuple(latent.shape)}")
         images = []
         for item in latent.split(1):  # one image at a time bounds the decoder's activations
-            pixels = self.autoencoder.decode(item.to(self.torch_device))  # (1, 3, H, W) in about [-1, 1]
+            pixels = code_with_fallback(self.decode_pixels, item.to(self.torch_device), tiling,
+                                        self.downscale)  # (1, 3, H, W) in about [-1, 1]
             images.append(((pixels.float() + 1.0) / 2.0).clamp(0, 1).permute(0, 2, 3, 1).cpu())
         return torch.cat(images)
 
     @torch.no_grad()
-    def encode(self, image: torch.Tensor) -> torch.Tensor:
-        """IMAGE [B, H, W, C>=3] in 0..1 -> raw latent [B, C, H/8, W/8] (centre-cropped to multiples of 8)."""
+    def encode(self, image: torch.Tensor, tiling: TilingConfig | None = None) -> torch.Tensor:
+        """IMAGE [B, H, W, C>=3] in 0..1 -> raw latent [B, C, H/8, W/8] (centre-cropped to multiples of 8).
+
+        `tiling` as for `decode`, its absolute sizes in latent cells."""
         if image.ndim != 4 or image.shape[-1] < 3:
             raise ValueError(f"VAE encode needs an IMAGE of shape (B, H, W, 3); got {tuple(image.shape)}")
         factor = self.downscale
@@ -296,8 +356,29 @@ class VAEModel:
                              f"accepted: at least {factor}x{factor}")
         top, left = (image.shape[1] % factor) // 2, (image.shape[2] % factor) // 2
         image = image[:, top:top + height, left:left + width, :3]
+        tiling = tiling or TilingConfig("off")
+        tile_pixels = None if tiling.tile_size is None else tiling.tile_size * factor
+        in_pixels = dataclasses.replace(tiling, min_tile=tiling.min_tile * factor, tile_size=tile_pixels)
         latents = []
         for item in image.split(1):
             pixels = item.permute(0, 3, 1, 2).to(self.torch_device, torch.float32) * 2.0 - 1.0  # (1, 3, H, W)
-            latents.append(self.autoencoder.encode(pixels.to(self.autoencoder.dtype)).float().cpu())
+            latent = code_with_fallback(self.encode_pixels, pixels.to(self.autoencoder.dtype), in_pixels,
+                                        1 / factor, align=factor, what="encode")
+            latents.append(latent.cpu())
         return torch.cat(latents)
+
+    def decode_pixels(self, latent: torch.Tensor) -> torch.Tensor:
+        """Raw latent [B, C, h, w] on the compute device -> float32 pixels [B, 3, 8h, 8w] in about [-1, 1]."""
+        if not _managed(self.memory, self.autoencoder):
+            return self.autoencoder.decode(latent)
+        ae = self.autoencoder
+        return self.memory.run(0, ae, ae.decoder_stages(), {"latent": latent})["pixels"].float()
+
+    def encode_pixels(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pixels [B, 3, H, W] in [-1, 1] on the compute device -> the posterior mean [B, C, H/8, W/8]."""
+        if not _managed(self.memory, self.autoencoder):
+            return self.autoencoder.encode(pixels)
+        ae = self.autoencoder
+        moments = self.memory.run(0, ae, ae.encoder_stages(), {"pixels": pixels})["moments"].float()
+        mean = moments.chunk(2, dim=1)[0]  # (B, embed_dim, h, w); the log-variance half is unused
+        return (mean - ae.config.shift_factor) * ae.config.scale_factor

@@ -9,19 +9,23 @@ twice in a session is free without keeping unused models alive.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.devices import ComputeDevice, resolve_device
+from engine.memory.runtime import MemoryRuntime, ModuleMemory
+from engine.memory.weight_store import HOMES
 from engine.models.bundles import (
     TEXT_FAMILIES,
     DiffusionModel,
+    ManagedEncoder,
     MissingComponentError,
     TextEncoder,
     VAEModel,
@@ -48,6 +52,9 @@ COMPONENT_NAMES = {"diffusion": "diffusion model (UNet)", "te": "text encoder (C
 ADD_LOADER_HINT = {"diffusion": "add a UNETLoader", "te": "add a CLIPLoader", "vae": "add a VAELoader"}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SDXL_LATENT_SCALE, SD_LATENT_SCALE = 0.13025, 0.18215
+
+log = logging.getLogger("sluice.loader")
+PerComponent = str | Mapping[str, str]  # one value for every component, or component -> value
 
 _cache: weakref.WeakValueDictionary[tuple, Any] = weakref.WeakValueDictionary()
 _cache_lock = threading.Lock()
@@ -128,6 +135,51 @@ def _bind(module: torch.nn.Module, tensors: dict[str, torch.Tensor], what: str, 
         raise ValueError(f"{path}: the {what} does not match its detected configuration: {error}") from None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """Where one component goes: its compute device, its weights' home and the runtime (None: plain)."""
+
+    device: ComputeDevice
+    home: str = "device"  # device, cpu or disk (reference/000 parameter residency)
+    runtime: MemoryRuntime | None = None
+
+    def cache_key(self) -> tuple:
+        return (self.device.name, self.home, None if self.runtime is None else id(self.runtime))
+
+
+def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots: set[str], dtype: torch.dtype,
+           target: _Target, kind: str, what: str, skip: Iterable[str] = ()) -> str | None:
+    """Bind the component's weights: read and bound now (plain), or registered in the runtime under its home
+    (disk: nothing is read now; the store re-reads from its own memory-mapped reader). Returns the name."""
+    if target.runtime is None:
+        tensors = _component_tensors(reader, prefix, roots, dtype, target.device.torch_device, skip)
+        _bind(model, tensors, what, reader.path)
+        return None
+    source_reader = open_checkpoint(reader.path) if target.home == "disk" else reader
+
+    def source(name: str) -> torch.Tensor:
+        return source_reader.get(prefix + name)
+
+    return target.runtime.register(kind, model, target.home, target.device.name, source)
+
+
+def _memory(target: _Target, kind: str, names: Sequence[str | None], models: Sequence[torch.nn.Module],
+            ) -> ModuleMemory | None:
+    if target.runtime is None:
+        return None
+    return ModuleMemory(target.runtime, tuple(n for n in names if n is not None), kind, target.device.name,
+                        target.home, tuple(models))
+
+
+def _adopt(bundle: Any, memory: ModuleMemory | None) -> Any:
+    """Unregister the weights when nothing uses them any more: the anchor is what every clone of the bundle
+    shares (its model; for a text encoder its conditioner) and what the weight store does not hold."""
+    if memory is not None:
+        anchor = bundle.conditioner if isinstance(bundle, TextEncoder) else memory.models[0]
+        memory.runtime.bind_lifetime(anchor, memory.names)
+    return bundle
+
+
 def _latent_scale(info: ModelInfo) -> float:
     if info.vae is not None:
         return info.vae.scale_factor
@@ -135,39 +187,40 @@ def _latent_scale(info: ModelInfo) -> float:
 
 
 def _build_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
-                     device: ComputeDevice) -> DiffusionModel:
-    prefix, config = info.components["diffusion"], info.unet
+                     target: _Target) -> DiffusionModel:
+    prefix, config, device = info.components["diffusion"], info.unet, target.device
     dtype = dtype or default_dtype("diffusion", device.torch_device, _stored_dtype(reader, prefix))
     unet = UNetModel(config, dtype=dtype, device="meta")
-    _bind(unet, _component_tensors(reader, prefix, UNET_ROOTS, dtype, device.torch_device),
-          "diffusion model", reader.path)
+    name = _place(unet, reader, prefix, UNET_ROOTS, dtype, target, "diffusion", "diffusion model")
     sampling = VPrediction() if config.prediction == "v" else EpsPrediction()
-    return DiffusionModel(unet=unet, model_sampling=sampling, family=info.layout,
-                          latent_channels=config.out_channels, latent_scale=_latent_scale(info),
-                          latent_shift=0.0, compute_device=device.name, source=reader.path)
+    memory = _memory(target, "diffusion", [name], [unet])
+    return _adopt(DiffusionModel(unet=unet, model_sampling=sampling, family=info.layout,
+                                 latent_channels=config.out_channels, latent_scale=_latent_scale(info),
+                                 latent_shift=0.0, compute_device=device.name, params_location=target.home,
+                                 source=reader.path, memory=memory), memory)
 
 
 def _build_vae(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
-               device: ComputeDevice) -> VAEModel:
-    prefix = info.components["vae"]
+               target: _Target) -> VAEModel:
+    prefix, device = info.components["vae"], target.device
     dtype = dtype or default_dtype("vae", device.torch_device, _stored_dtype(reader, prefix))
     # The VAE works in raw latents (ComfyUI's LATENT); the diffusion model applies the scale factor.
     config = dataclasses.replace(info.vae, scale_factor=1.0, shift_factor=0.0)
     autoencoder = AutoencoderKL(config, device="meta", dtype=dtype)
-    _bind(autoencoder, _component_tensors(reader, prefix, VAE_ROOTS, dtype, device.torch_device), "VAE",
-          reader.path)
-    return VAEModel(autoencoder=autoencoder, compute_device=device.name, source=reader.path)
+    name = _place(autoencoder, reader, prefix, VAE_ROOTS, dtype, target, "vae", "VAE")
+    memory = _memory(target, "vae", [name], [autoencoder])
+    return _adopt(VAEModel(autoencoder=autoencoder, compute_device=device.name, params_location=target.home,
+                           source=reader.path, memory=memory), memory)
 
 
 def _build_clip(reader: CheckpointReader, config: TextEncoderConfig, dtype: torch.dtype | None,
-                device: ComputeDevice) -> CLIPTextModel:
+                target: _Target) -> tuple[CLIPTextModel, str | None]:
     prefix = component_prefix(config)
-    dtype = dtype or default_dtype("te", device.torch_device, _stored_dtype(reader, prefix))
+    dtype = dtype or default_dtype("te", target.device.torch_device, _stored_dtype(reader, prefix))
     model = CLIPTextModel(config, dtype=dtype, device="meta")
-    tensors = _component_tensors(reader, prefix, TEXT_ROOTS, dtype, device.torch_device,
-                                 UNUSED_CHECKPOINT_KEYS)
-    _bind(model, tensors, f"{config.kind} text encoder", reader.path)
-    return model
+    name = _place(model, reader, prefix, TEXT_ROOTS, dtype, target, "te", f"{config.kind} text encoder",
+                  UNUSED_CHECKPOINT_KEYS)
+    return model, name
 
 
 def _detect(reader: CheckpointReader) -> ModelInfo:
@@ -177,17 +230,46 @@ def _detect(reader: CheckpointReader) -> ModelInfo:
         raise UnsupportedModelError(f"not a Stable Diffusion model file: {error}") from None
 
 
-def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None, device: str = "cpu",
-                    components: Sequence[str] = COMPONENTS,
+def _targets(components: Sequence[str], device: PerComponent, params: PerComponent,
+             runtime: MemoryRuntime | None) -> dict[str, _Target]:
+    """Each component's compute device and weight home; a params home on another GPU is kept in RAM."""
+    targets = {}
+    for component in components:
+        device_name = device if isinstance(device, str) else device.get(component, "auto")
+        home = params if isinstance(params, str) else params.get(component, "device")
+        compute = resolve_device(device_name)
+        if home not in HOMES:
+            other = resolve_device(home)
+            if other.name == compute.name:
+                home = "device"
+            else:
+                log.warning("%s: parameters on another device (%s) are kept in RAM instead; the weight store "
+                            "stages from RAM or disk only", component, other.name)
+                home = "cpu"
+        if runtime is None and home != "device":
+            raise ValueError(f"{component}: parameters at {home!r} need the memory runtime; pass runtime=")
+        targets[component] = _Target(compute, home, runtime)
+    return targets
+
+
+def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
+                    device: PerComponent = "cpu", components: Sequence[str] = COMPONENTS,
+                    params: PerComponent = "device", runtime: MemoryRuntime | None = None,
                     ) -> tuple[DiffusionModel | None, TextEncoder | None, VAEModel | None]:
     """(diffusion model, text encoder, VAE) of a single-file checkpoint; None for a component not asked for
-    or not in the file. `dtype` None (or "default") picks each component's default for the device."""
+    or not in the file. `dtype` None (or "default") picks each component's default for the device.
+
+    `device` and `params` give every component (or each, by component name) its compute device and weight
+    home (device, cpu, disk). With a `runtime`, the weights belong to its weight stores and the bundles run
+    through it; without one, they are bound to the model directly (params must then be "device").
+    """
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:
         raise ValueError(f"unknown components {unknown}; accepted: {', '.join(COMPONENTS)}")
-    path, dtype, compute = Path(path), parse_dtype(dtype), resolve_device(device)
+    path, dtype = Path(path), parse_dtype(dtype)
+    targets = _targets(components, device, params, runtime)
     file_key = _file_key(path)
-    keys = {c: (*file_key, c, dtype, compute.name) for c in components}
+    keys = {c: (*file_key, c, dtype, *targets[c].cache_key()) for c in components}
     with _cache_lock:
         found = {c: _cache.get(key) for c, key in keys.items()}
     missing = [c for c in components if found[c] is None]
@@ -198,12 +280,12 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
                 if component not in info.components:
                     continue
                 if component == "diffusion":
-                    value: Any = _build_diffusion(reader, info, dtype, compute)
+                    value: Any = _build_diffusion(reader, info, dtype, targets[component])
                 elif component == "vae":
-                    value = _build_vae(reader, info, dtype, compute)
+                    value = _build_vae(reader, info, dtype, targets[component])
                 else:
                     sources = [(reader, config) for config in info.text_encoders]
-                    value = _text_encoder(info.layout, sources, dtype, compute)
+                    value = _text_encoder(info.layout, sources, dtype, targets[component])
                 found[component] = value
                 with _cache_lock:
                     _cache[keys[component]] = value
@@ -218,15 +300,17 @@ def _require(value: Any, component: str, path: Path) -> Any:
 
 
 def load_diffusion_model(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
-                         device: str = "cpu") -> DiffusionModel:
+                         device: str = "cpu", params: str = "device", runtime: MemoryRuntime | None = None,
+                         ) -> DiffusionModel:
     """The UNet of a diffusion-model file (or of a full checkpoint)."""
-    return _require(load_checkpoint(path, dtype, device, ("diffusion",))[0], "diffusion", Path(path))
+    model = load_checkpoint(path, dtype, device, ("diffusion",), params, runtime)[0]
+    return _require(model, "diffusion", Path(path))
 
 
 def load_vae(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None, device: str = "cpu",
-             ) -> VAEModel:
+             params: str = "device", runtime: MemoryRuntime | None = None) -> VAEModel:
     """The VAE of a VAE file (or of a full checkpoint)."""
-    return _require(load_checkpoint(path, dtype, device, ("vae",))[2], "vae", Path(path))
+    return _require(load_checkpoint(path, dtype, device, ("vae",), params, runtime)[2], "vae", Path(path))
 
 
 # ---------------------------------------------------------------- text encoders
@@ -256,20 +340,26 @@ def _assign_roles(family: str, configs: list[TextEncoderConfig]) -> list[int]:
 
 
 def _text_encoder(family: str, sources: list[tuple[CheckpointReader, TextEncoderConfig]],
-                  dtype: torch.dtype | None, device: ComputeDevice) -> TextEncoder:
+                  dtype: torch.dtype | None, target: _Target) -> TextEncoder:
     if family not in TEXT_FAMILIES:
         raise ValueError(f"no text conditioning for model family {family!r}; "
                          f"accepted: {', '.join(TEXT_FAMILIES)}")
     order = _assign_roles(family, [config for _, config in sources])
-    encoders = tuple(_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, device)
-                     for i, role in zip(order, FAMILY_ROLES[family], strict=True))
+    built = [_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, target)
+             for i, role in zip(order, FAMILY_ROLES[family], strict=True)]
+    encoders = tuple(model for model, _ in built)
+    memory = _memory(target, "te", [name for _, name in built], encoders)
+    runners = encoders if memory is None else [ManagedEncoder(m, memory, i) for i, m in enumerate(encoders)]
     paths = tuple(dict.fromkeys(reader.path for reader, _ in sources))
-    return TextEncoder(family=family, encoders=encoders, conditioner=build_conditioner(family, encoders),
-                       compute_device=device.name, sources=paths)
+    conditioner = build_conditioner(family, runners)
+    return _adopt(TextEncoder(family=family, encoders=encoders, conditioner=conditioner,
+                              compute_device=target.device.name, params_location=target.home, sources=paths,
+                              memory=memory), memory)
 
 
 def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | None = None,
-                       dtype: torch.dtype | str | None = None, device: str = "cpu") -> TextEncoder:
+                       dtype: torch.dtype | str | None = None, device: str = "cpu", params: str = "device",
+                       runtime: MemoryRuntime | None = None) -> TextEncoder:
     """One text encoder (ComfyUI CLIP) from one file (SD1, SD2, refiner) or two (SDXL: CLIP-L + bigG).
 
     `family` None detects it from the encoders found (one CLIP-L: sd1; one OpenCLIP: sd2, or the refiner for
@@ -279,9 +369,9 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
         raise ValueError("load_text_encoders needs at least one file")
     if family is not None and family not in TEXT_FAMILIES:
         raise ValueError(f"unknown text encoder family {family!r}; accepted: {', '.join(TEXT_FAMILIES)}")
-    dtype, compute = parse_dtype(dtype), resolve_device(device)
+    dtype, target = parse_dtype(dtype), _targets(["te"], device, params, runtime)["te"]
     file_paths = [Path(p) for p in paths]
-    key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, compute.name)
+    key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, *target.cache_key())
 
     def build() -> TextEncoder:
         readers = [open_checkpoint(p) for p in file_paths]
@@ -293,7 +383,7 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
                     _require(None, "te", reader.path)
                 sources += [(reader, config) for config in info.text_encoders]
             chosen = family or _family_of([config for _, config in sources])
-            return _text_encoder(chosen, sources, dtype, compute)
+            return _text_encoder(chosen, sources, dtype, target)
         finally:
             for reader in readers:
                 reader.close()

@@ -1,0 +1,418 @@
+"""Step time against peak memory of the memory runtime over a sweep of budgets, beside diffusers' offloading.
+
+    .venv/bin/python bench/memory.py                 # on a GPU: SD1.5 512x512 and SDXL 1024x1024 UNets, fp16
+    .venv/bin/python bench/memory.py --tiny          # a few seconds on a CPU: tiny UNets, float32
+
+For each model (random weights, batch 2 = cond + uncond): our runtime with every weight resident, then with
+weights in pinned RAM under budgets from the smallest feasible (the largest stage plus its workspace) to
+everything resident; in the same run diffusers' UNet resident and with `enable_group_offload` (block_level
+and leaf_level, use_stream=True) when diffusers is importable and the device is CUDA. Each row: median step
+time (CUDA events) of --steps after --warmup, peak `torch.cuda.max_memory_allocated` (on a CPU the ledger's
+tracked peak instead), and bytes copied per step. The physical line is max(resident step time, streamed
+bytes / measured pinned copy bandwidth) (reference/001 "What this says"). Writes a table, a CSV, a JSON
+and a PNG (matplotlib if available, else Pillow) to bench/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.devices import GIB, device_name  # noqa: E402
+from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
+from engine.memory.runtime import MemoryRuntime  # noqa: E402
+from engine.models.detect import UNetConfig  # noqa: E402
+from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
+from engine.placement import MemorySettings  # noqa: E402
+from engine.telemetry import EventBus  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 1024**2
+
+
+@dataclass
+class Row:
+    model: str
+    mode: str  # "sluice resident", "sluice budget 3.20 GiB", "diffusers resident", ...
+    budget_gib: float | None
+    step_ms: float | None  # None: infeasible
+    peak_gib: float | None
+    copied_gib_per_step: float
+    segments: int | None
+    physical_ms: float | None = None  # max(resident step time, copied bytes / pinned bandwidth)
+
+
+def tiny_config(adm: int | None) -> UNetConfig:
+    return UNetConfig(in_channels=4, out_channels=4, model_channels=32, channel_mult=(1, 2), num_res_blocks=1,
+                      attention_levels=(0, 1), transformer_depth=(1, 1), transformer_depth_middle=1,
+                      num_heads=-1, num_head_channels=16, context_dim=64,
+                      use_linear_in_transformer=adm is not None, adm_in_channels=adm,
+                      num_classes="sequential" if adm else None, prediction="eps",
+                      family="sdxl" if adm else "sd15")
+
+
+def model_cases(tiny: bool) -> list[tuple[str, UNetConfig, int]]:
+    """(name, config, latent side) per benchmarked model."""
+    if tiny:
+        return [("SD1.5-tiny", tiny_config(None), 16), ("SDXL-tiny", tiny_config(128), 16)]
+    return [("SD1.5 UNet 512x512", sd15_unet_config(), 64), ("SDXL UNet 1024x1024", sdxl_unet_config(), 128)]
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(device: torch.device, step: Callable[[], object]) -> float:
+    """Milliseconds of one step: CUDA events on CUDA, the wall clock otherwise."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    step()
+    return (time.perf_counter() - began) * 1e3
+
+
+def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int) -> tuple[float, float]:
+    """(median step ms, peak GiB of live tensors) after `warmup` steps."""
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = [time_step(device, step) for _ in range(steps)]
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def random_weights(config: UNetConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random weights in RAM (pinned once when the compute device is CUDA): matrices and kernels with
+    standard deviation 1/sqrt(fan_in), norm scales 1 and biases 0, so activations stay of order one (tiny
+    activations would run on denormal floats, which are very slow on a CPU)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = {}
+    for name, parameter in UNetModel(config, dtype=dtype, device="meta").named_parameters():
+        if parameter.ndim >= 2:
+            fan_in = parameter[0].numel()
+            tensor = (torch.randn(parameter.shape, generator=generator) / fan_in**0.5).to(dtype)
+        else:
+            tensor = torch.full(parameter.shape, 1.0 if name.endswith("weight") else 0.0, dtype=dtype)
+        weights[name] = tensor.pin_memory() if device.type == "cuda" else tensor
+    return weights
+
+
+def unet_inputs(config: UNetConfig, side: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, side, side, generator=generator)
+    context = torch.randn(2, 77, config.context_dim, generator=generator)
+    y = torch.randn(2, config.adm_in_channels, generator=generator) if config.adm_in_channels else None
+    timesteps = torch.tensor([500.0, 500.0])
+    return tuple(None if t is None else t.to(device, dtype if t.is_floating_point() else t.dtype)
+                 for t in (x, timesteps, context, y))
+
+
+def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.device, home: str,
+               budget: int | None, warmup: int, steps: int) -> tuple[float, float, float, int, int]:
+    """(ms, peak GiB, GiB copied per step, segments, workspace bytes) of our runtime with `home` weights
+    under `budget`."""
+    bus = EventBus()
+    free = live_free_memory(_compute(device)) if device.type == "cuda" else None
+    ledger = DeviceLedger(device_name(device), budget if budget is not None else (None if free else 1 << 50),
+                          free_memory_fn=free, bus=bus)
+    runtime = MemoryRuntime(MemorySettings(), bus=bus, ledgers={ledger.device_name: ledger})
+    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
+    name = runtime.register("diffusion", unet, home, ledger.device_name, weights.__getitem__)
+    copied = [0]
+    counting = [False]
+
+    def count(event: object) -> None:
+        if counting[0] and event.kind == "transfer" and event.get("direction") == "h2d":
+            copied[0] += event.get("bytes")
+
+    bus.subscribe(count)
+
+    def step() -> object:
+        return runtime.run(name, unet, unet.stages(), unet.initial_state(*inputs))["h"]
+
+    try:
+        for _ in range(warmup):
+            step()
+        counting[0] = True
+        ms, peak = measure(device, step, 0, steps)
+        plan = runtime.snapshot()["modules"][name]["plan"]
+        segments = len(plan["segments"])
+        if device.type != "cuda":
+            peak = ledger.peak_tracked / GIB
+        return ms, peak, copied[0] / steps / GIB, segments, plan["workspace_bytes"]
+    finally:
+        runtime.unregister(name)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _compute(device: torch.device) -> object:
+    from engine.devices import resolve_device
+
+    return resolve_device(device_name(device))
+
+
+def stage_bytes(config: UNetConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(largest stage's weight bytes, all weight bytes) of the UNet."""
+    unet = UNetModel(config, dtype=dtype, device="meta")
+    sizes = [stage.parameter_bytes() for stage in unet.stages()]
+    return max(sizes), sum(p.numel() * p.element_size() for p in unet.parameters())
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 256 * MIB) -> float:
+    """Bytes per second of pinned host-to-device copies (on a CPU, of a RAM clone, as a stand-in)."""
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    if device.type != "cuda":
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            host.clone()
+            times.append(time.perf_counter() - began)
+        return nbytes / statistics.median(times)
+    host = host.pin_memory()
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    target.copy_(host, non_blocking=True)
+    times = [time_step(device, lambda: target.copy_(host, non_blocking=True)) / 1e3 for _ in range(5)]
+    return nbytes / statistics.median(times)
+
+
+def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype, device: torch.device,
+                   warmup: int, steps: int) -> list[Row]:
+    """diffusers' UNet resident and, on CUDA, with group offloading (block and leaf level, streamed)."""
+    try:
+        from diffusers import UNet2DConditionModel
+    except ImportError:
+        print("diffusers is not importable: its rows are left out", file=sys.stderr)
+        return []
+    diffusers_config = _diffusers_config(config)
+    x, timesteps, context, y = unet_inputs(config, side, dtype, device)
+    added = None
+    if config.adm_in_channels:
+        added = {"text_embeds": y[:, :config.adm_in_channels - 6 * _time_embed_dim(config)],
+                 "time_ids": torch.zeros(2, 6, device=device, dtype=dtype)}
+    modes = [("resident", None)]
+    if device.type == "cuda":
+        modes += [("group offload block_level stream", "block_level"),
+                  ("group offload leaf_level stream", "leaf_level")]
+    rows = []
+    for mode, offload in modes:
+        torch.manual_seed(0)
+        model = UNet2DConditionModel.from_config(diffusers_config).to(dtype).eval()
+        if offload is None:
+            model.to(device)
+        else:
+            model.enable_group_offload(device, torch.device("cpu"), offload_type=offload,
+                                       num_blocks_per_group=1 if offload == "block_level" else None,
+                                       use_stream=True)
+
+        def step(model: torch.nn.Module = model) -> object:
+            with torch.no_grad():
+                return model(x, timesteps, context, added_cond_kwargs=added).sample
+
+        ms, peak = measure(device, step, warmup, steps)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        copied = 0.0 if offload is None else weight_bytes / GIB
+        rows.append(Row(name, f"diffusers {mode}", None, ms, peak, copied, None))
+        del model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _time_embed_dim(config: UNetConfig) -> int:
+    """SDXL's size/crop Fourier width: 256 (6 x 256 of the 2816-wide vector); 16 for the tiny model."""
+    return 256 if config.adm_in_channels > 6 * 256 else 16
+
+
+def _diffusers_config(config: UNetConfig) -> dict:
+    widths = [config.model_channels * m for m in config.channel_mult]
+    attention = [level in config.attention_levels and depth > 0
+                 for level, depth in enumerate(config.transformer_depth)]
+    heads = [w // config.num_head_channels if config.num_head_channels > 0 else config.num_heads
+             for w in widths]
+    diffusers = dict(
+        sample_size=64, in_channels=4, out_channels=4, layers_per_block=config.num_res_blocks,
+        block_out_channels=widths, cross_attention_dim=config.context_dim,
+        down_block_types=["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attention],
+        up_block_types=["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in reversed(attention)],
+        transformer_layers_per_block=[max(1, d) for d in config.transformer_depth],
+        attention_head_dim=heads, use_linear_projection=config.use_linear_in_transformer,
+    )
+    if config.adm_in_channels:
+        diffusers.update(addition_embed_type="text_time", addition_time_embed_dim=_time_embed_dim(config),
+                         projection_class_embeddings_input_dim=config.adm_in_channels)
+    return diffusers
+
+
+def budgets(largest_stage: int, total: int, workspace: int, points: int) -> list[int]:
+    """From the smallest feasible budget (largest stage + workspace) to everything resident."""
+    low, high = largest_stage + workspace, total + workspace
+    if points <= 1:
+        return [high]
+    return [int(low + (high - low) * i / (points - 1)) for i in range(points)]
+
+
+def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, device: torch.device,
+                args: argparse.Namespace, bandwidth: float) -> list[Row]:
+    weights = random_weights(config, dtype, device)
+    inputs = unet_inputs(config, side, dtype, device)
+    largest, total = stage_bytes(config, dtype)
+    ms, peak, copied, segments, workspace = sluice_run(config, weights, inputs, device, "device", None,
+                                                       args.warmup, args.steps)
+    resident = Row(name, "sluice resident", None, ms, peak, copied, segments, ms)
+    rows = [resident]
+    for budget in budgets(largest, total, workspace, args.budgets):
+        mode = f"sluice pinned RAM, budget {budget / MIB:.1f} MiB"
+        try:
+            ms, peak, copied, segments, _ = sluice_run(config, weights, inputs, device, "cpu", budget,
+                                                       args.warmup, args.steps)
+        except BudgetExceeded as error:
+            print(f"{name}: {mode}: infeasible ({error})", file=sys.stderr)
+            rows.append(Row(name, mode, budget / GIB, None, None, 0.0, None))
+            continue
+        physical = max(resident.step_ms, copied * GIB / bandwidth * 1e3)
+        rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical))
+    if not args.no_diffusers:
+        rows += diffusers_rows(name, config, side, dtype, device, args.warmup, args.steps)
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = ["| model | mode | ms / step | peak GiB | GiB copied / step | segments | physical ms |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        def cell(v: float | None, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        cells = (cell(r.step_ms, ".1f"), cell(r.peak_gib, ".3f"), f"{r.copied_gib_per_step:.3f}",
+                 cell(r.segments, "d"), cell(r.physical_ms, ".1f"))
+        lines.append(f"| {r.model} | {r.mode} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> Path:
+    """Step time against peak memory per model; points per mode, the physical line through the sweep."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return _plot_with_pillow(rows, path)
+    models = list(dict.fromkeys(r.model for r in rows))
+    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for axis, model in zip(axes[0], models, strict=True):
+        points = [r for r in rows if r.model == model and r.step_ms is not None]
+        sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
+        axis.plot([r.peak_gib for r in sweep], [r.physical_ms for r in sweep], "--", color="grey",
+                  label="max(resident, streamed / bandwidth)")
+        for r in points:
+            marker = "o" if r.mode.startswith("sluice") else "s"
+            axis.scatter(r.peak_gib, r.step_ms, marker=marker, label=r.mode)
+        axis.set(title=model, xlabel="peak memory (GiB)", ylabel="ms / step")
+        axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _plot_with_pillow(rows: list[Row], path: Path) -> Path:
+    from PIL import Image, ImageDraw
+
+    models = list(dict.fromkeys(r.model for r in rows))
+    panel_w, height, margin = 520, 420, 60
+    image = Image.new("RGB", (panel_w * len(models), height), "white")
+    draw = ImageDraw.Draw(image)
+    for index, model in enumerate(models):
+        points = [r for r in rows if r.model == model and r.step_ms is not None and r.peak_gib == r.peak_gib]
+        if not points:
+            continue
+        left = index * panel_w + margin
+        right, top, bottom = (index + 1) * panel_w - 20, 30, height - margin
+        max_x = max(r.peak_gib for r in points) * 1.1 or 1.0
+        max_y = max(max(r.step_ms for r in points), max(r.physical_ms or 0 for r in points)) * 1.1 or 1.0
+
+        def xy(gib: float, ms: float, box: tuple = (left, right, top, bottom, max_x, max_y),
+               ) -> tuple[float, float]:
+            x0, x1, y0, y1, scale_x, scale_y = box
+            return x0 + (x1 - x0) * gib / scale_x, y1 - (y1 - y0) * ms / scale_y
+
+        draw.rectangle([left, top, right, bottom], outline="black")
+        draw.text((left, 8), model, fill="black")
+        span = f"{max_x:.2f} GiB" if max_x >= 0.1 else f"{max_x * 1024:.1f} MiB"
+        draw.text((left, bottom + 20), f"peak memory (0 .. {span})", fill="black")
+        draw.text((left - 55, top), f"{max_y:.0f} ms", fill="black")
+        sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
+        if len(sweep) > 1:
+            draw.line([xy(r.peak_gib, r.physical_ms) for r in sweep], fill="grey", width=2)
+        for r in points:
+            x, y = xy(r.peak_gib, r.step_ms)
+            color = "royalblue" if r.mode.startswith("sluice") else "darkorange"
+            draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
+        draw.text((left + 5, top + 5), "blue: sluice, orange: diffusers, grey: physical line", fill="black")
+    image.save(path)
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny UNets in float32: a CPU smoke run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per point (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--budgets", type=int, default=6, help="budget points in the sweep")
+    parser.add_argument("--no-diffusers", action="store_true", help="leave diffusers' rows out")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.tiny:
+        torch.set_num_threads(1)  # tiny kernels: OpenMP barriers only add noise on a shared CPU
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.float16
+    bandwidth = copy_bandwidth(device)
+    print(f"device {device}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"({'pinned host to device' if device.type == 'cuda' else 'RAM clone, CPU stand-in'})")
+    rows: list[Row] = []
+    for name, config, side in model_cases(args.tiny):
+        rows += bench_model(name, config, side, dtype, device, args, bandwidth)
+    print(format_table(rows))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"memory_{'tiny_' if args.tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
+    with open(args.out / f"{stem}.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    (args.out / f"{stem}.json").write_text(json.dumps(
+        {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
+         "rows": [asdict(r) for r in rows]}, indent=2))
+    image = plot(rows, args.out / f"{stem}.png")
+    print(f"wrote {args.out / stem}.csv, .json and {image.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
