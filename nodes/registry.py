@@ -27,6 +27,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.image",
     "nodes.upscale",
     "nodes.preview",
+    "nodes.lora",
 )
 
 
