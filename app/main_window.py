@@ -29,6 +29,7 @@ from app.canvas.clipboard import paste_json, selection_json
 from app.canvas.scene import WorkflowScene
 from app.canvas.view import CanvasView
 from app.inspector import Inspector
+from app.memory_panel import install_memory_views
 from app.panels import GalleryList, PalettePanel, QueuePanel
 from app.run_controller import RunController
 from app.search import RECENT_LIMIT, NodeSearch
@@ -72,6 +73,7 @@ class MainWindow(QMainWindow):
         self._docks: list[QDockWidget] = []
         self.view_menu: QMenu | None = None  # docks added later (add_dock) list themselves in it
         self._build_docks()
+        self.memory_panel, self.devices_view = install_memory_views(self)
         self.runs = RunController(self.scene, self.registry, settings, self.queue_panel, self.gallery,
                                   self.inspector, self.progress_bar, self.show_message, self)
         self._build_actions()
@@ -407,6 +409,14 @@ class MainWindow(QMainWindow):
             self.restoreGeometry(geometry)
         if state is not None:
             self.restoreState(state)
+        else:  # first start: give the docked memory panel room once the window has its size
+            QTimer.singleShot(0, self._size_docks_for_first_start)
+
+    @Slot()
+    def _size_docks_for_first_start(self) -> None:
+        memory_dock = self.findChild(QDockWidget, "dock_memory")
+        if memory_dock is not None:
+            self.resizeDocks([memory_dock], [max(220, self.height() // 3)], Qt.Orientation.Vertical)
 
     def _save_layout(self) -> None:
         self.app_settings.setValue("window/geometry", self.saveGeometry())

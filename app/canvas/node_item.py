@@ -6,12 +6,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QFont, QImage, QPainter, QPainterPath, QPen, QPolygonF
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QImage, QPainter, QPainterPath, QPen, QPolygonF
 from PySide6.QtWidgets import QGraphicsItem, QGraphicsSceneHoverEvent, QGraphicsSceneMouseEvent
 
 from app import theme
 from app.canvas.port_item import PortItem
 from app.canvas.widgets_paint import paint_widget_row, stepped, widget_zone
+from app.device_badges import Badge, badge_for
 from engine.graph.document import NodeDoc
 from engine.graph.spec import ANY, BOOLEAN, STRING, NodeType
 
@@ -24,6 +25,13 @@ ROW_HEIGHT = 22.0
 TEXT_BOX_HEIGHT = 76.0  # a multiline text widget (a prompt) shows a few wrapped lines
 IMAGE_MAX_HEIGHT = 320.0
 COLLAPSE_BOX = 18.0
+
+
+def _badge_font(painter: QPainter) -> QFont:
+    font = QFont(painter.font())
+    font.setPointSizeF(7.5)
+    font.setBold(False)
+    return font
 
 
 class NodeItem(QGraphicsItem):
@@ -40,6 +48,7 @@ class NodeItem(QGraphicsItem):
         self.progress: tuple[int, int] | None = None
         self.errors: list[str] = []
         self.image: QImage | None = None
+        self._badge: tuple[str, Badge | None] | None = None  # (the inputs it was made from, the badge)
         self.setFlags(QGraphicsItem.GraphicsItemFlag.ItemIsMovable
                       | QGraphicsItem.GraphicsItemFlag.ItemIsSelectable
                       | QGraphicsItem.GraphicsItemFlag.ItemSendsGeometryChanges)
@@ -210,7 +219,9 @@ class NodeItem(QGraphicsItem):
         font.setBold(True)
         painter.setFont(font)
         painter.setPen(theme.TEXT)
-        text_rect = title.adjusted(COLLAPSE_BOX + 4, 0, -8, 0)
+        badge = self.badge() if not self.node.collapsed else None
+        badge_room = QFontMetricsF(_badge_font(painter)).horizontalAdvance(badge.text) + 24 if badge else 0
+        text_rect = title.adjusted(COLLAPSE_BOX + 4, 0, -8 - badge_room, 0)
         text = painter.fontMetrics().elidedText(self.title_text(), Qt.TextElideMode.ElideRight,
                                                 int(text_rect.width()))
         painter.drawText(text_rect, Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, text)
@@ -218,9 +229,31 @@ class NodeItem(QGraphicsItem):
             painter.setPen(theme.TEXT_DIM)
             painter.drawText(text_rect, Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight,
                              self.node.mode)
+        if badge is not None:
+            self._paint_badge(painter, title, badge)
         if self.progress is not None and self.progress[1] > 0:
             fraction = min(1.0, self.progress[0] / self.progress[1])
             painter.fillRect(QRectF(0, TITLE_HEIGHT - 3, self.width * fraction, 3), theme.RUNNING)
+
+    def badge(self) -> Badge | None:
+        """Where this model-bearing node computes and where its weights rest (None for other nodes)."""
+        if self.node_type is None or not self.node_type.memory_module:
+            return None
+        memory = self.workflow_scene.workflow.settings.get("memory", {})
+        key = repr((sorted(self.node.widgets.items()), sorted(memory.items())))
+        if self._badge is None or self._badge[0] != key:  # resolving devices is too slow for every paint
+            self._badge = (key, badge_for(self.node_type, self.node.widgets, memory))
+        return self._badge[1]
+
+    def _paint_badge(self, painter: QPainter, title: QRectF, badge: Badge) -> None:
+        painter.setFont(_badge_font(painter))
+        width = painter.fontMetrics().horizontalAdvance(badge.text) + 12
+        rect = QRectF(title.right() - width - 6, 5, width, TITLE_HEIGHT - 10)
+        color = QColor(badge.color)
+        painter.setPen(QPen(color, 1))
+        painter.setBrush(QColor(color.red(), color.green(), color.blue(), 40))
+        painter.drawRoundedRect(rect, 4, 4)
+        painter.drawText(rect, Qt.AlignmentFlag.AlignCenter, badge.text)
 
     def _paint_slots(self, painter: QPainter) -> None:
         font = QFont(painter.font())
@@ -324,6 +357,9 @@ class NodeItem(QGraphicsItem):
         lines = [f"{self.title_text()}  [{self.node.type}, id {self.node_id}]"]
         if self.node_type is not None and self.node_type.description:
             lines.append(self.node_type.description)
+        badge = self.badge()
+        if badge is not None:
+            lines.append(badge.tooltip)
         lines += [f"error: {message}" for message in self.errors]
         return "\n".join(lines)
 

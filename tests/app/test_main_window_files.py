@@ -119,11 +119,11 @@ def test_crash_recovery_restores_the_autosaved_document_and_clean_exit_does_not(
 
 def test_window_geometry_and_docks_are_restored(make_window):
     first = make_window()
-    first.resize(700, 500)
+    first.resize(760, 620)
     first.findChild(type(first.palette.parent()), "dock_queue").hide()
     first.close()
     second = make_window()
-    assert (second.width(), second.height()) == (700, 500)
+    assert (second.width(), second.height()) == (760, 620)
     assert not second.findChild(type(second.palette.parent()), "dock_queue").isVisible()
 
 

@@ -1,0 +1,342 @@
+"""Qt-free aggregation of memory-runtime telemetry for the live memory panel.
+
+`MemoryModel` is a bus subscriber: it runs on whatever thread publishes (the worker), so it only takes a
+lock and updates plain data; the GUI pulls `snapshot()` on a timer. It keeps, per device, a time series of
+used / budget / free bytes and of the tracked weights per module plus workspace; the current segment plan
+of the module that runs last, with each segment's state; and the copy throughput over the last second.
+Every event it receives is kept, so the same model can write a trace (JSON lines) and be rebuilt from one.
+
+Events read (engine/memory): "ledger" (device, module, allocation, key, delta, tracked), "transfer"
+(bytes, seconds, direction, stream), "eviction" (allocation, segment), "plan" (module, device, whole,
+segments as (start, stop, weight_bytes)), "segment_start" / "segment_end" (module, index); any event with
+`device` and `budget` fields sets that device's budget, and "ledger_snapshot" carries a
+`DeviceLedger.snapshot()` (budget, free, tracked, modules) recorded by `observe_ledger`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.telemetry import Event, EventBus
+
+SEGMENT_STATES = ("resident", "prefetching", "computing", "evicted")
+PANEL_MODULES = ("te", "diffusion", "vae", "upscaler")  # stacked in this order; others follow
+KIND_LEDGER_SNAPSHOT = "ledger_snapshot"
+THROUGHPUT_WINDOW = 1.0  # seconds of transfers the copy throughput averages over
+COALESCE_SECONDS = 0.002  # samples closer than this replace the previous one (bounds the series)
+MAX_SAMPLES = 20_000  # per device
+MAX_EVENTS = 100_000  # events kept for save_trace; older ones are dropped
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read: the message names the file, the line and what was expected."""
+
+
+@dataclass
+class _Device:
+    budget: int | None = None
+    free_reported: int | None = None  # last live free bytes from a ledger snapshot (None: budget only)
+    tracked_at_report: int = 0  # tracked bytes when free_reported was read
+    tracked: int = 0
+    weights: dict[str, int] = field(default_factory=dict)  # module -> tracked weight bytes
+    workspace: dict[str, int] = field(default_factory=dict)  # module -> tracked workspace bytes
+    samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+
+    def free(self) -> int | None:
+        """Free bytes: live free memory corrected by tracked changes, else budget minus tracked."""
+        if self.free_reported is not None:
+            live = self.free_reported - (self.tracked - self.tracked_at_report)
+            return live if self.budget is None else min(live, self.budget - self.tracked)
+        return None if self.budget is None else self.budget - self.tracked
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly copy: tuples to lists, unknown objects to their str()."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+class MemoryModel:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        """`clock` None = trace mode (now is the latest event's time); live: `time.perf_counter`."""
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._events: deque[Event] = deque(maxlen=MAX_EVENTS)
+        self._devices: dict[str, _Device] = {}
+        self._transfers: deque[tuple[float, int]] = deque()  # (time, bytes) within the window
+        self._throughput: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (time, bytes/s)
+        self._copied_bytes = 0
+        self._plan: dict[str, Any] | None = None
+        self._observed: dict[Any, dict] = {}  # device -> last ledger snapshot taken
+        self._t0: float | None = None
+        self._latest = 0.0
+        self.version = 0  # bumps on every change; a panel redraws only when it moved
+
+    # -- input --
+
+    def __call__(self, event: Event) -> None:
+        """Bus subscriber entry point (runs on the publishing thread)."""
+        self.handle(event)
+
+    def subscribe(self, bus: EventBus) -> Callable[[], None]:
+        """Receive `bus`'s events; returns the unsubscribe function."""
+        return bus.subscribe(self.handle)
+
+    def handle(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+            self._t0 = event.time if self._t0 is None else min(self._t0, event.time)
+            self._latest = max(self._latest, event.time)
+            handler = self._HANDLERS.get(event.kind)
+            if handler is not None:
+                handler(self, event)
+            if "device" in event.fields and "budget" in event.fields and event.kind != KIND_LEDGER_SNAPSHOT:
+                self._device(event["device"]).budget = event["budget"]
+                self._sample(event["device"], event.time)
+            self.version += 1
+
+    def observe_ledger(self, ledger_snapshot: Mapping[str, Any], when: float | None = None) -> None:
+        """Take a `DeviceLedger.snapshot()` (budget, live free, tracked per module) as a recorded event;
+        a snapshot equal to the device's previous one is skipped (polling an idle runtime costs nothing)."""
+        fields = _plain(dict(ledger_snapshot))
+        with self._lock:
+            if self._observed.get(fields.get("device")) == fields:
+                return
+            self._observed[fields.get("device")] = fields
+        self.handle(Event(KIND_LEDGER_SNAPSHOT, time.perf_counter() if when is None else when, fields))
+
+    def observe_runtime(self, runtime_snapshot: Mapping[str, Any]) -> None:
+        """Take every device ledger of `engine.memory.runtime`'s snapshot() (its "devices" mapping)."""
+        for ledger_snapshot in runtime_snapshot.get("devices", {}).values():
+            self.observe_ledger(ledger_snapshot)
+
+    def _device(self, name: str) -> _Device:
+        return self._devices.setdefault(name, _Device())
+
+    def _sample(self, name: str, when: float) -> None:
+        device = self._device(name)
+        workspace = sum(device.workspace.values())
+        sample = (when, device.tracked, device.budget, device.free(), dict(device.weights), workspace)
+        if device.samples and when - device.samples[-1][0] < COALESCE_SECONDS:
+            device.samples[-1] = sample
+        else:
+            device.samples.append(sample)
+
+    def _on_ledger(self, event: Event) -> None:
+        device = self._device(event["device"])
+        table = device.weights if event["allocation"] == "weights" else device.workspace
+        table[event["module"]] = table.get(event["module"], 0) + int(event["delta"])
+        everything = sum(device.weights.values()) + sum(device.workspace.values())
+        device.tracked = int(event.get("tracked", everything))
+        self._sample(event["device"], event.time)
+
+    def _on_ledger_snapshot(self, event: Event) -> None:
+        device = self._device(event["device"])
+        device.budget = event.get("budget")
+        device.tracked = int(event.get("tracked", 0))
+        modules = event.get("modules", {})
+        device.weights = {m: int(v.get("weights", 0)) for m, v in modules.items()}
+        device.workspace = {m: int(v.get("workspace", 0)) for m, v in modules.items()}
+        device.free_reported = event.get("free")
+        device.tracked_at_report = device.tracked
+        self._sample(event["device"], event.time)
+
+    def _on_transfer(self, event: Event) -> None:
+        nbytes = int(event.get("bytes", 0))
+        self._copied_bytes += nbytes
+        self._transfers.append((event.time, nbytes))
+        self._throughput.append((event.time, self._rate(event.time)))
+        if event.get("stream") is not None and self._plan is not None:
+            computing = [s for s in self._plan["segments"] if s["state"] == "computing"]
+            if computing:  # a side-stream copy while a segment computes: the next one is prefetching
+                following = [s for s in self._plan["segments"] if s["index"] > computing[0]["index"]]
+                if following and following[0]["state"] != "resident":
+                    following[0]["state"] = "prefetching"
+
+    def _on_plan(self, event: Event) -> None:
+        previous = self._plan
+        same = (previous is not None and previous["module"] == event.get("module")
+                and [(s["start"], s["stop"]) for s in previous["segments"]]
+                == [(start, stop) for start, stop, _ in event.get("segments", [])])
+        self._plan = {
+            "module": event.get("module"),
+            "device": event.get("device"),
+            "whole": bool(event.get("whole", False)),
+            "workspace": int(event.get("workspace", 0)),
+            "capacity": int(event.get("capacity", 0)),
+            "segments": [
+                {"index": index, "start": start, "stop": stop, "weight_bytes": int(nbytes),
+                 "state": previous["segments"][index]["state"] if same else "evicted"}
+                for index, (start, stop, nbytes) in enumerate(event.get("segments", []))
+            ],
+        }
+
+    def _segment(self, module: Any, index: Any) -> dict[str, Any] | None:
+        """The current plan's segment `index` if the plan is `module`'s."""
+        if self._plan is None or self._plan["module"] != module:
+            return None
+        segments = self._plan["segments"]
+        return segments[index] if isinstance(index, int) and 0 <= index < len(segments) else None
+
+    def _on_segment_start(self, event: Event) -> None:
+        segment = self._segment(event.get("module"), event.get("index"))
+        if segment is not None:
+            segment["state"] = "computing"
+
+    def _on_segment_end(self, event: Event) -> None:
+        segment = self._segment(event.get("module"), event.get("index"))
+        if segment is not None:
+            segment["state"] = "resident"
+
+    def _on_eviction(self, event: Event) -> None:
+        if event.get("allocation") != "weights":
+            return
+        segment = self._segment(event.get("module"), event.get("segment"))
+        if segment is not None and segment["state"] != "computing":
+            segment["state"] = "evicted"
+
+    _HANDLERS: dict[str, Callable[[MemoryModel, Event], None]] = {
+        "ledger": _on_ledger,
+        KIND_LEDGER_SNAPSHOT: _on_ledger_snapshot,
+        "transfer": _on_transfer,
+        "plan": _on_plan,
+        "segment_start": _on_segment_start,
+        "segment_end": _on_segment_end,
+        "eviction": _on_eviction,
+    }
+
+    def _rate(self, now: float) -> float:
+        """Bytes per second copied in the window ending at `now`."""
+        while self._transfers and self._transfers[0][0] < now - THROUGHPUT_WINDOW:
+            self._transfers.popleft()
+        return sum(n for t, n in self._transfers if t <= now) / THROUGHPUT_WINDOW
+
+    # -- output --
+
+    def now(self) -> float:
+        return self.clock() if self.clock is not None else self._latest
+
+    def snapshot(self, max_points: int | None = None) -> dict[str, Any]:
+        """Plain data for the panel: times are seconds since the first event, sizes are bytes.
+
+        `max_points` bounds each series: longer ones keep the peak sample of each bin (by used bytes, by
+        rate for the throughput), so a plot drawn from them loses no peak.
+        """
+        with self._lock:
+            now = self.now()
+            t0 = self._t0 if self._t0 is not None else now
+            devices = {}
+            for name, device in self._devices.items():
+                samples = _peaks(list(device.samples), 1, max_points)
+                modules = _ordered_modules({m for s in samples for m in s[4]})
+                devices[name] = {
+                    "budget": device.budget,
+                    "free": device.free(),
+                    "tracked": device.tracked,
+                    "weights": dict(device.weights),
+                    "workspace": dict(device.workspace),
+                    "series": {
+                        "time": [s[0] - t0 for s in samples],
+                        "used": [s[1] for s in samples],
+                        "budget": [s[2] for s in samples],
+                        "free": [s[3] for s in samples],
+                        "workspace": [s[5] for s in samples],
+                        "weights": {m: [s[4].get(m, 0) for s in samples] for m in modules},
+                    },
+                }
+            throughput = _peaks(list(self._throughput), 1, max_points)
+            plan = None if self._plan is None else {
+                **self._plan, "segments": [dict(s) for s in self._plan["segments"]]}
+            return {
+                "version": self.version,
+                "elapsed": now - t0,
+                "devices": devices,
+                "plan": plan,
+                "throughput": self._rate(now),
+                "throughput_series": {"time": [t - t0 for t, _ in throughput],
+                                      "rate": [r for _, r in throughput]},
+                "copied_bytes": self._copied_bytes,
+            }
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+    # -- traces --
+
+    def save_trace(self, path: str | Path) -> Path:
+        """Write every kept event as JSON lines: {"kind", "time", "fields"}."""
+        path = Path(path)
+        with path.open("w", encoding="utf-8") as file:
+            for event in self.events():
+                file.write(json.dumps({"kind": event.kind, "time": event.time,
+                                       "fields": _plain(event.fields)}) + "\n")
+        return path
+
+    @classmethod
+    def from_trace(cls, path: str | Path) -> MemoryModel:
+        """A trace-mode model holding every event of the trace file."""
+        model = cls()
+        model.feed(load_trace(path))
+        return model
+
+    def feed(self, events: Iterable[Event]) -> None:
+        for event in events:
+            self.handle(event)
+
+
+def _peaks(samples: list[tuple], column: int, max_points: int | None) -> list[tuple]:
+    """At most about `max_points` samples: the one with the largest `column` value of each bin."""
+    if max_points is None or len(samples) <= max_points:
+        return samples
+    width = -(-len(samples) // max_points)  # ceil
+    return [max(samples[i : i + width], key=lambda s: s[column]) for i in range(0, len(samples), width)]
+
+
+def module_kind(module: str) -> str:
+    """The kind of a runtime module name: `te#2` (a second text encoder) -> te."""
+    return module.split("#")[0]
+
+
+def _ordered_modules(modules: set[str]) -> list[str]:
+    """Stacking order: te, diffusion, vae, upscaler (and their numbered siblings), then the rest."""
+    def rank(module: str) -> tuple:
+        kind = module_kind(module)
+        return (PANEL_MODULES.index(kind) if kind in PANEL_MODULES else len(PANEL_MODULES), module)
+
+    return sorted(modules, key=rank)
+
+
+def load_trace(path: str | Path) -> list[Event]:
+    """The events of a JSON-lines trace written by `MemoryModel.save_trace`, in file order."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise TraceError(f"cannot read trace {str(path)!r}: {error.strerror or error}") from None
+    events = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            event = Event(str(data["kind"]), float(data["time"]), dict(data["fields"]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            raise TraceError(
+                f"{str(path)!r} line {number}: expected a JSON object with kind, time and fields "
+                f"(a trace written by MemoryModel.save_trace), got {line[:80]!r}"
+            ) from None
+        events.append(event)
+    return events
