@@ -462,6 +462,27 @@ def _add_memory_options(parser: argparse.ArgumentParser) -> None:
     add_placement_arguments(parser)
 
 
+def _add_inspect_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("inspect", parents=[common],
+                                   help="what a model file holds (family, components, config, bytes); "
+                                        "reads no weights")
+    parser.add_argument("file", help="a .safetensors, .ckpt/.pt or .gguf file")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    parser.set_defaults(handler=command_inspect)
+
+
+def command_inspect(args: argparse.Namespace) -> int:
+    from engine.models.inspect import format_inspection, inspect_file
+
+    try:
+        info = inspect_file(args.file)
+    except (OSError, ValueError) as error:  # CheckpointError and UnsupportedModelError are ValueErrors
+        print(f"sluice: cannot inspect {args.file}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(info, indent=2) if args.json else format_inspection(info))
+    return EXIT_OK
+
+
 def _add_devices_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     parser = subparsers.add_parser("devices", parents=[common], help="list the compute devices and memory")
     parser.set_defaults(handler=command_devices)
@@ -548,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(subparsers, common)
     _add_validate_parser(subparsers, common)
     _add_nodes_parser(subparsers, common)
+    _add_inspect_parser(subparsers, common)
     _add_devices_parser(subparsers, common)
     _add_plan_parser(subparsers, common)
     return parser

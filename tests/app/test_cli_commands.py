@@ -271,3 +271,22 @@ def test_usage_errors_return_2_and_help_returns_0(capsys):
     assert main(["run"]) == 2
     assert main(["--help"]) == 0
     assert "run" in capsys.readouterr().out
+
+
+def test_inspect_reports_the_embedded_checkpoint_and_rejects_a_non_model_file(tmp_path, capsys):
+    import json as json_module
+
+    from engine.settings import embedded_models_dir
+
+    checkpoint = embedded_models_dir() / "checkpoints" / "sluice-shapes.safetensors"
+    assert main(["inspect", str(checkpoint), "--json"]) == 0
+    info = json_module.loads(capsys.readouterr().out)
+    assert info["family"] == "sd_custom"
+    assert set(info["components"]) == {"diffusion", "vae"}
+    assert info["unet"]["model_channels"] == 64 and info["unet"]["num_head_channels"] == 32
+    assert main(["inspect", str(checkpoint)]) == 0
+    assert "sd_custom" in capsys.readouterr().out
+    junk = tmp_path / "notes.safetensors"
+    junk.write_bytes(b"not a model at all")
+    assert main(["inspect", str(junk)]) == 1
+    assert f"cannot inspect {junk}" in capsys.readouterr().err
