@@ -29,7 +29,7 @@ from app.canvas.clipboard import paste_json, selection_json
 from app.canvas.scene import WorkflowScene
 from app.canvas.view import CanvasView
 from app.inspector import Inspector
-from app.memory_panel import install_memory_views
+from app.memory_panel import TraceReplayWindow, install_memory_views
 from app.panels import GalleryList, PalettePanel, QueuePanel
 from app.run_controller import RunController
 from app.search import RECENT_LIMIT, NodeSearch
@@ -51,6 +51,7 @@ from nodes.registry import NodeRegistry, default_registry
 AUTOSAVE_SECONDS = 30
 AUTOSAVE_DEBOUNCE_MS = 1500
 WORKFLOW_FILTER = "Workflows (*.json);;Images with a workflow (*.png);;All files (*)"
+TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
 
 
 class MainWindow(QMainWindow):
@@ -192,6 +193,9 @@ class MainWindow(QMainWindow):
         self.view_menu.addSeparator()
         for dock in self._docks:
             self.view_menu.addAction(dock.toggleViewAction())
+        self.view_menu.addSeparator()
+        self.view_menu.addAction(self._action("Save memory &trace...", self.save_memory_trace_dialog))
+        self.view_menu.addAction(self._action("&Replay memory trace...", self.replay_memory_trace_dialog))
         run_menu = menus.addMenu("&Run")
         run_menu.addAction(self.queue_action)
         run_menu.addAction(self.interrupt_action)
@@ -285,6 +289,32 @@ class MainWindow(QMainWindow):
     def new_document(self) -> None:
         if self.maybe_discard():
             self.set_document(Workflow(), None)
+
+    @Slot()
+    def save_memory_trace_dialog(self) -> None:
+        path, _ = QFileDialog.getSaveFileName(self, "Save memory trace", self._last_folder(), TRACE_FILTER)
+        if path:
+            self.save_memory_trace(path)
+
+    def save_memory_trace(self, path: str) -> None:
+        """Write what the memory panel has seen as a trace (JSON lines) that Replay opens again."""
+        self.memory_panel.model.save_trace(path)
+        self.show_message(f"memory trace saved to {path}")
+
+    @Slot()
+    def replay_memory_trace_dialog(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Replay memory trace", self._last_folder(), TRACE_FILTER)
+        if path:
+            self.replay_memory_trace(path)
+
+    def replay_memory_trace(self, path: str, speed: float = 1.0) -> TraceReplayWindow | None:
+        try:
+            window = TraceReplayWindow(path, speed, self)
+        except (OSError, ValueError) as error:  # TraceError names the file and line
+            self.show_message(f"cannot replay {path}: {error}")
+            return None
+        window.show()
+        return window
 
     def open_file_dialog(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open workflow", self._last_folder(), WORKFLOW_FILTER)

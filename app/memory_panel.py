@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, Qt, QTimer, Slot
 from PySide6.QtGui import QColor, QFont, QPainter, QPen
-from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QDialog, QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.devices_view import DevicesView, WorkflowMemoryBinder
 from app.memory_model import MemoryModel, module_kind
+from app.trace_replay import TraceReplay
 from engine import telemetry
 from engine.memory.runtime import get_runtime
 from engine.telemetry import EventBus
@@ -287,6 +289,22 @@ class MemoryPanel(QWidget):
         self.drawn_version = snapshot["version"]
         self.drawn_rate = rate
         return True
+
+
+class TraceReplayWindow(QDialog):
+    """A memory panel of its own that replays a recorded trace (the live panel keeps running)."""
+
+    def __init__(self, path: str | Path, speed: float = 1.0, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle(f"Memory trace: {Path(path).name}")
+        self.resize(900, 600)
+        self.model = MemoryModel(clock=time.perf_counter)
+        self.panel = MemoryPanel(self.model, self)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.panel)
+        self.replay = TraceReplay.from_file(self.model, path, speed, self)  # TraceError for a bad file
+        self.replay.start()
 
 
 def _scrollable(widget: QWidget) -> QScrollArea:

@@ -238,3 +238,22 @@ def test_a_bounded_snapshot_keeps_every_bins_peak():
     assert len(series["used"]) == 100
     assert series["used"] == [max(sizes[i : i + 50]) for i in range(0, 5000, 50)]
     assert series["time"] == sorted(series["time"])
+
+
+def test_memory_trace_saved_from_the_window_replays_in_a_panel_of_its_own(qtbot, make_window, runtime_trace,
+                                                                            tmp_path):
+    window = make_window()
+    window.memory_panel.model.feed(load_trace(runtime_trace[1]))
+    path = tmp_path / "run.jsonl"
+    window.save_memory_trace(str(path))
+    replay = window.replay_memory_trace(str(path), speed=1000.0)
+    assert replay is not None
+    qtbot.waitUntil(lambda: replay.replay.position == len(replay.replay.events), timeout=10_000)
+    live, replayed = window.memory_panel.model.snapshot(), replay.model.snapshot()
+    assert replayed["devices"].keys() == live["devices"].keys()
+    for name, device in live["devices"].items():
+        assert replayed["devices"][name]["weights"] == device["weights"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not a trace\n")
+    assert window.replay_memory_trace(str(bad)) is None
+    replay.close()
