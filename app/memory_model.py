@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -91,8 +92,19 @@ class MemoryModel:
         self.handle(event)
 
     def subscribe(self, bus: EventBus) -> Callable[[], None]:
-        """Receive `bus`'s events; returns the unsubscribe function."""
-        return bus.subscribe(self.handle)
+        """Receive `bus`'s events while this model lives (the bus holds it weakly, so a panel that goes
+        away takes its model off the bus without any Qt signal); returns the unsubscribe function."""
+        handle_ref = weakref.WeakMethod(self.handle)
+
+        def forward(event: Event) -> None:
+            handle = handle_ref()
+            if handle is None:
+                unsubscribe()
+            else:
+                handle(event)
+
+        unsubscribe = bus.subscribe(forward)
+        return unsubscribe
 
     def handle(self, event: Event) -> None:
         with self._lock:

@@ -20,7 +20,7 @@ from PySide6.QtGui import QColor, QFont, QPainter, QPen
 from PySide6.QtWidgets import QDialog, QFrame, QLabel, QScrollArea, QSizePolicy, QVBoxLayout, QWidget
 
 from app.devices_view import DevicesView, WorkflowMemoryBinder
-from app.memory_model import MemoryModel, module_kind
+from app.memory_model import MemoryModel, load_trace, module_kind
 from app.trace_replay import TraceReplay
 from engine import telemetry
 from engine.memory.runtime import get_runtime
@@ -258,10 +258,14 @@ class MemoryPanel(QWidget):
         self.drawn_rate = 0.0
         self.timer = QTimer(self)
         self.timer.setInterval(int(1000 / refresh_hz))
-        self.timer.timeout.connect(self.refresh)
+        self.timer.timeout.connect(self.on_timer)
         self.timer.start()
 
     @Slot()
+    def on_timer(self) -> None:
+        """The timer's slot; `refresh` itself returns whether it redrew, which a slot need not."""
+        self.refresh()
+
     def refresh(self, force: bool = False) -> bool:
         """Redraw from the model if it changed (or live copies are decaying); returns whether it redrew."""
         self._ticks += 1
@@ -295,7 +299,9 @@ class TraceReplayWindow(QDialog):
     """A memory panel of its own that replays a recorded trace (the live panel keeps running)."""
 
     def __init__(self, path: str | Path, speed: float = 1.0, parent: QWidget | None = None) -> None:
+        events = load_trace(path)  # TraceError for a bad file, before any Qt object exists
         super().__init__(parent)
+        self.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)  # a closed replay frees its plots
         self.setWindowTitle(f"Memory trace: {Path(path).name}")
         self.resize(900, 600)
         self.model = MemoryModel(clock=time.perf_counter)
@@ -303,7 +309,7 @@ class TraceReplayWindow(QDialog):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.panel)
-        self.replay = TraceReplay.from_file(self.model, path, speed, self)  # TraceError for a bad file
+        self.replay = TraceReplay(self.model, events, speed, self)
         self.replay.start()
 
 
@@ -321,7 +327,7 @@ def install_memory_views(main_window: Any, bus: EventBus | None = None) -> tuple
     window's workflow; returns both. Call once from MainWindow after its docks are built."""
     model = MemoryModel(clock=time.perf_counter)
     panel = MemoryPanel(model, runtime_snapshot=lambda: get_runtime().snapshot())
-    panel.destroyed.connect(model.subscribe(bus or telemetry.bus))  # unsubscribe with the panel
+    model.subscribe(bus or telemetry.bus)  # weakly: the model leaves the bus with its panel
     devices = DevicesView()
     devices.binder = WorkflowMemoryBinder(main_window.scene, devices)
     bottom = Qt.DockWidgetArea.BottomDockWidgetArea

@@ -2,6 +2,7 @@
 and the generated image (judged automatically) shows in the gallery."""
 
 from PIL import Image
+from PySide6.QtCore import QCoreApplication, QEvent
 
 from engine.settings import Settings
 from nodes.registry import default_registry
@@ -36,4 +37,5 @@ def test_default_workflow_opens_runs_and_shows_the_prompted_image(qtbot, app_dat
         screenshot(window, "main_window_default_workflow_run.png")
     finally:
         window.close()
-        window.deleteLater()
+        window.deleteLater()  # deleted now, while Qt runs, not by the interpreter's last garbage collection
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)

@@ -249,11 +249,12 @@ def test_memory_trace_saved_from_the_window_replays_in_a_panel_of_its_own(qtbot,
     replay = window.replay_memory_trace(str(path), speed=1000.0)
     assert replay is not None
     qtbot.waitUntil(lambda: replay.replay.position == len(replay.replay.events), timeout=10_000)
-    live, replayed = window.memory_panel.model.snapshot(), replay.model.snapshot()
-    assert replayed["devices"].keys() == live["devices"].keys()
-    for name, device in live["devices"].items():
+    saved, replayed = MemoryModel.from_trace(path).snapshot(), replay.model.snapshot()
+    assert replayed["devices"].keys() == saved["devices"].keys() and saved["devices"]
+    for name, device in saved["devices"].items():
         assert replayed["devices"][name]["weights"] == device["weights"]
     bad = tmp_path / "bad.jsonl"
     bad.write_text("not a trace\n")
     assert window.replay_memory_trace(str(bad)) is None
-    replay.close()
+    with qtbot.waitSignal(replay.destroyed):  # closing deletes the replay window and its plots
+        replay.close()
