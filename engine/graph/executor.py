@@ -254,6 +254,8 @@ def _signature(workflow: Workflow, node_id: str, node_type: type[NodeType], link
     except Exception as error:  # e.g. a missing file: the node reports it when it runs
         fingerprint = ("fingerprint failed", repr(error))
     parts: list[Any] = [node_type.type_name, node.mode, fingerprint]
+    if node_type.memory_module:  # a loader's placement also follows the workflow's memory settings
+        parts.append(sorted(workflow.settings.get("memory", {}).items()))
     for spec_input in node_type.inputs:
         link = links.get(spec_input.name)
         if link is not None:

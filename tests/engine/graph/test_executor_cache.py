@@ -325,3 +325,27 @@ def test_a_changed_fingerprint_reruns_the_node_though_its_widgets_are_unchanged(
     state["version"] = 2
     result = executor.run(wf)
     assert result.executed == [reader.id, sink.id] and result.outputs[sink.id] == (2,)
+
+
+def test_changed_memory_settings_rerun_model_loaders_but_not_other_nodes(nodes):
+    from engine.graph.spec import NodeType, Output, RunContext, string_input
+
+    class Loader(NodeType):
+        memory_module = "diffusion"
+        inputs = (string_input("name", "model.safetensors"),)
+        outputs = (Output("value", "NUM"),)
+
+        def run(self, ctx: RunContext, name: str) -> tuple:
+            nodes.calls[ctx.node_id] += 1
+            return (1,)
+
+    lookup = {"Loader": Loader, "Const": nodes.lookup("Const"), "Sink": nodes.lookup("Sink")}.get
+    wf = Workflow()
+    loader, const = wf.add_node("Loader"), wf.add_node("Const")
+    for source in (loader, const):
+        wf.connect(source.id, 0, wf.add_node("Sink").id, "value", "NUM")
+    executor = Executor(lookup, bus=EventBus())
+    executor.run(wf)
+    wf.settings["memory"] = {"params_backend": "disk"}
+    result = executor.run(wf)
+    assert loader.id in result.executed and const.id not in result.executed
