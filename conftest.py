@@ -1,1 +1,14 @@
-"""Root conftest: makes `tools` importable in tests (the embedded model's data generator lives there)."""
+"""Root conftest: makes `tools` importable in tests (the embedded model's data generator lives there), and
+holds fixtures that test folders share."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread; OpenMP barriers on a busy 2-core machine cost 10x more."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

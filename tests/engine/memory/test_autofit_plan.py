@@ -5,7 +5,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from sd_checkpoints import write_checkpoint  # noqa: E402
@@ -21,13 +20,7 @@ MIB = 1024**2
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread; OpenMP barriers on a busy 2-core machine cost 10x more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def need(module, gib, compute="cuda0", largest_mib=100, fixed=None):
     return ComponentNeed(module, module, compute, int(gib * GIB), largest_mib * MIB, fixed=fixed)

@@ -17,13 +17,7 @@ BLOCK_BYTES = (WIDTH * WIDTH + WIDTH) * 4
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread; OpenMP barriers on a busy 2-core machine cost 10x more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_trace_has_compute_and_copy_tracks_with_complete_events(tmp_path):
     bus = EventBus()

@@ -24,13 +24,7 @@ MAX_ERROR, MEAN_ERROR = 0.05, 0.01
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread; OpenMP barriers on a busy 2-core machine cost 10x more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def vae_path(tmp_path_factory):
