@@ -2,14 +2,21 @@
 
 Parameter names are the keys of the original single-file checkpoints without their
 `model.diffusion_model.` prefix, so a checkpoint binds directly (engine/models/weights.py).
-The forward pass is a list of stages (engine/models/staged.py): "embed", each "input_blocks.N",
-"middle_block", each "output_blocks.N", "out". The state they share holds "h" (the activation),
-"emb" (timestep + vector embedding), "context" (cross-attention tokens) and "hs" (the skip list).
+The forward pass is a list of stages (engine/models/staged.py) about one layer each, so the memory
+runtime can cut it finely: "embed", then per layer of each block (named by the block and layer index)
+a convolution, Downsample or Upsample stage ("input_blocks.0.0", "output_blocks.8.2"), two ResBlock
+stages ("input_blocks.4.0.in", ".out"), or a SpatialTransformer's "proj_in", three stages per
+transformer block ("transformer_blocks.3.attn1", ".attn2", ".ff") and "proj_out"; then "out".
+The state they share holds "h" (the activation), "emb" (timestep + vector embedding), "context"
+(cross-attention tokens) and "hs" (the skip list); within a block, until used, also "x_in" (a
+ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its (B, H*W, C) tokens)
+and "upsample_size" (an upsampling output block's target size).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +25,8 @@ from torch import nn
 from engine.models.attention import attention
 from engine.models.detect import UNetConfig
 from engine.models.staged import Stage, StagedModel, State, run_stages
+
+StageRun = Callable[[State], State]
 
 # ---------------------------------------------------------------------------------------------- presets
 
@@ -76,9 +85,15 @@ def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10
 
 
 class GroupNorm32(nn.GroupNorm):
-    """GroupNorm computed in float32 whatever the weight and activation dtype, as LDM does."""
+    """GroupNorm with float32 statistics whatever the activation dtype, as LDM's GroupNorm32.
+
+    PyTorch's CUDA kernel already accumulates half-precision inputs in float32 (ComfyUI runs it so), so
+    there the input is not upcast: that would cost an fp32 copy of every activation. Elsewhere it is.
+    """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 or x.device.type == "cuda":
+            return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         return F.group_norm(x.float(), self.num_groups, self.weight.float(), self.bias.float(),
                             self.eps).to(x.dtype)
 
@@ -88,10 +103,10 @@ class ResBlock(nn.Module):
 
     def __init__(self, channels: int, emb_channels: int, out_channels: int, **factory):
         super().__init__()
-        self.in_layers = nn.Sequential(GroupNorm32(32, channels, **factory), nn.SiLU(),
+        self.in_layers = nn.Sequential(GroupNorm32(32, channels, **factory), nn.SiLU(inplace=True),
                                        nn.Conv2d(channels, out_channels, 3, padding=1, **factory))
         self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_channels, out_channels, **factory))
-        self.out_layers = nn.Sequential(GroupNorm32(32, out_channels, **factory), nn.SiLU(),
+        self.out_layers = nn.Sequential(GroupNorm32(32, out_channels, **factory), nn.SiLU(inplace=True),
                                         nn.Identity(),  # the checkpoint's dropout slot (index 2)
                                         nn.Conv2d(out_channels, out_channels, 3, padding=1, **factory))
         self.skip_connection = (nn.Identity() if out_channels == channels
@@ -321,7 +336,7 @@ class UNetModel(StagedModel):
                     layers.append(Upsample(ch, **factory))
                 self.output_blocks.append(TimestepEmbedSequential(*layers))
 
-        self.out = nn.Sequential(GroupNorm32(32, ch, **factory), nn.SiLU(),
+        self.out = nn.Sequential(GroupNorm32(32, ch, **factory), nn.SiLU(inplace=True),
                                  nn.Conv2d(mc, config.out_channels, 3, padding=1, **factory))
 
     def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
@@ -337,11 +352,11 @@ class UNetModel(StagedModel):
     def stages(self) -> list[Stage]:
         embedders = (self.time_embed,) if self.label_emb is None else (self.time_embed, self.label_emb)
         stages = [Stage("embed", embedders, self._embed)]
-        stages += [Stage(f"input_blocks.{i}", (block,), _input_block_runner(block))
-                   for i, block in enumerate(self.input_blocks)]
-        stages.append(Stage("middle_block", (self.middle_block,), _middle_block_runner(self.middle_block)))
-        stages += [Stage(f"output_blocks.{i}", (block,), _output_block_runner(block))
-                   for i, block in enumerate(self.output_blocks)]
+        for i, block in enumerate(self.input_blocks):
+            stages += _block_stages(f"input_blocks.{i}", block, appends_skip=True)
+        stages += _block_stages("middle_block", self.middle_block)
+        for i, block in enumerate(self.output_blocks):
+            stages += _block_stages(f"output_blocks.{i}", block, takes_skip=True)
         stages.append(Stage("out", (self.out,), self._out))
         return stages
 
@@ -372,26 +387,145 @@ def _per_level(name: str, value: int | tuple[int, ...], levels: int) -> tuple[in
     return tuple(value)
 
 
-def _input_block_runner(block: TimestepEmbedSequential):
-    def run(state: State) -> State:
-        state["h"] = block(state["h"], state["emb"], state["context"])
+# ---------------------------------------------------------------------------------------------- stages
+# Each runner below is the body of one layer's forward (or part of it) with the same ops in the same
+# order, so running the stages is bit-identical to calling the TimestepEmbedSequential blocks.
+
+
+def _block_stages(name: str, block: TimestepEmbedSequential, appends_skip: bool = False,
+                  takes_skip: bool = False) -> list[Stage]:
+    """The stages of one block's layers; an input block's last stage pushes the skip, an output block's
+    first stage concatenates the popped skip (and keeps the upsample size when the block upsamples)."""
+    stages = [stage for index, layer in enumerate(block) for stage in _layer_stages(f"{name}.{index}", layer)]
+    if takes_skip:
+        first = stages[0]
+        upsamples = any(isinstance(layer, Upsample) for layer in block)
+        stages[0] = Stage(first.name, first.modules, _taking_skip(first.run, upsamples))
+    if appends_skip:
+        last = stages[-1]
+        stages[-1] = Stage(last.name, last.modules, _appending_skip(last.run))
+    return stages
+
+
+def _layer_stages(name: str, layer: nn.Module) -> list[Stage]:
+    if isinstance(layer, ResBlock):
+        return _resblock_stages(name, layer)
+    if isinstance(layer, SpatialTransformer):
+        return _transformer_stages(name, layer)
+    if isinstance(layer, Upsample):
+        return [Stage(name, (layer,), _upsample_runner(layer))]
+    if isinstance(layer, Downsample | nn.Conv2d):
+        return [Stage(name, (layer,), _plain_runner(layer))]
+    raise TypeError(f"no stage runner for UNet layer {name!r} of type {type(layer).__name__}; "
+                    "accepted: ResBlock, SpatialTransformer, Upsample, Downsample, Conv2d")
+
+
+def _taking_skip(run: StageRun, keeps_upsample_size: bool) -> StageRun:
+    def run_after_concatenating_skip(state: State) -> State:
+        hs = state["hs"]
+        state["h"] = torch.cat([state["h"], hs.pop()], dim=1)  # (B, C + C_skip, H, W)
+        if keeps_upsample_size:
+            # the size of the next skip, so an odd size survives upsampling
+            state["upsample_size"] = tuple(hs[-1].shape[-2:]) if hs else None
+        return run(state)
+    return run_after_concatenating_skip
+
+
+def _appending_skip(run: StageRun) -> StageRun:
+    def run_then_append_skip(state: State) -> State:
+        state = run(state)
         state["hs"].append(state["h"])
         return state
-    return run
+    return run_then_append_skip
 
 
-def _middle_block_runner(block: TimestepEmbedSequential):
+def _plain_runner(layer: nn.Module) -> StageRun:
     def run(state: State) -> State:
-        state["h"] = block(state["h"], state["emb"], state["context"])
+        state["h"] = layer(state["h"])
         return state
     return run
 
 
-def _output_block_runner(block: TimestepEmbedSequential):
+def _upsample_runner(layer: Upsample) -> StageRun:
     def run(state: State) -> State:
-        hs = state["hs"]
-        h = torch.cat([state["h"], hs.pop()], dim=1)  # (B, C + C_skip, H, W)
-        upsample_size = tuple(hs[-1].shape[-2:]) if hs else None  # match the next skip (odd sizes)
-        state["h"] = block(h, state["emb"], state["context"], upsample_size)
+        state["h"] = layer(state["h"], state.pop("upsample_size"))
         return state
     return run
+
+
+def _resblock_stages(name: str, block: ResBlock) -> list[Stage]:
+    """ResBlock.forward in two: the input half keeps the block input in "x_in" for the skip path."""
+    in_layers, emb_layers = block.in_layers, block.emb_layers
+    out_layers, skip_connection = block.out_layers, block.skip_connection
+
+    def run_in(state: State) -> State:
+        x = state["x_in"] = state["h"]
+        h = in_layers(x)
+        state["h"] = h + emb_layers(state["emb"])[:, :, None, None]  # (B, C, 1, 1) broadcast over H, W
+        return state
+
+    def run_out(state: State) -> State:
+        state["h"] = skip_connection(state.pop("x_in")) + out_layers(state["h"])
+        return state
+
+    return [Stage(f"{name}.in", (in_layers, emb_layers), run_in),
+            Stage(f"{name}.out", (out_layers, skip_connection), run_out)]
+
+
+def _transformer_stages(name: str, transformer: SpatialTransformer) -> list[Stage]:
+    """SpatialTransformer.forward as proj_in, three stages per transformer block, and proj_out."""
+    norm, proj_in, proj_out = transformer.norm, transformer.proj_in, transformer.proj_out
+    use_linear = transformer.use_linear
+
+    def run_proj_in(state: State) -> State:
+        x = state["residual"] = state.pop("h")
+        h = norm(x)
+        if not use_linear:
+            h = proj_in(h)
+        h = h.flatten(2).transpose(1, 2)  # (B, H*W, C)
+        if use_linear:
+            h = proj_in(h)
+        state["tokens"] = h
+        return state
+
+    def run_proj_out(state: State) -> State:
+        x, h = state.pop("residual"), state.pop("tokens")
+        batch, _, height, width = x.shape
+        if use_linear:
+            h = proj_out(h)
+        h = h.transpose(1, 2).reshape(batch, -1, height, width)  # (B, C, H, W)
+        if not use_linear:
+            h = proj_out(h)
+        state["h"] = x + h
+        return state
+
+    stages = [Stage(f"{name}.proj_in", (norm, proj_in), run_proj_in)]
+    for index, block in enumerate(transformer.transformer_blocks):
+        stages += _transformer_block_stages(f"{name}.transformer_blocks.{index}", block)
+    stages.append(Stage(f"{name}.proj_out", (proj_out,), run_proj_out))
+    return stages
+
+
+def _transformer_block_stages(name: str, block: BasicTransformerBlock) -> list[Stage]:
+    """BasicTransformerBlock.forward as its three pre-norm residual steps over state["tokens"]."""
+    norm1, attn1, norm2, attn2, norm3, ff = (block.norm1, block.attn1, block.norm2, block.attn2,
+                                             block.norm3, block.ff)
+
+    def run_attn1(state: State) -> State:
+        x = state["tokens"]
+        state["tokens"] = x + attn1(norm1(x))
+        return state
+
+    def run_attn2(state: State) -> State:
+        x = state["tokens"]
+        state["tokens"] = x + attn2(norm2(x), state["context"])
+        return state
+
+    def run_ff(state: State) -> State:
+        x = state["tokens"]
+        state["tokens"] = x + ff(norm3(x))
+        return state
+
+    return [Stage(f"{name}.attn1", (norm1, attn1), run_attn1),
+            Stage(f"{name}.attn2", (norm2, attn2), run_attn2),
+            Stage(f"{name}.ff", (norm3, ff), run_ff)]

@@ -8,6 +8,7 @@ state dict, so a wrong key, shape or layer shows up as a conversion failure or a
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -19,6 +20,7 @@ from diffusers.loaders.single_file_utils import (
 )
 from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from engine.models.attention import attention
 from engine.models.detect import UNetConfig
@@ -212,13 +214,61 @@ def test_stages_in_order_reproduce_forward_bit_exactly():
     assert torch.equal(direct, staged)
 
 
-@pytest.mark.parametrize(("config", "input_blocks"), [(sd15_unet_config(), 12), (sdxl_unet_config(), 9)])
-def test_every_parameter_belongs_to_exactly_one_stage_and_stages_follow_ldm_order(config, input_blocks):
+class ParameterReads(TorchFunctionMode):
+    """Records the ids of the tensors every torch function is called with (a parameter read is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        pending = [*args, *kwargs.values()]
+        while pending:
+            value = pending.pop()
+            if isinstance(value, torch.Tensor):
+                self.ids.add(id(value))
+            elif isinstance(value, list | tuple):
+                pending.extend(value)
+        return func(*args, **kwargs)
+
+
+def resblock_and_transformer_stage_names(block: str, depth: int) -> list[str]:
+    """The stage names of a block whose layer 0 is a ResBlock and layer 1 a transformer of `depth`."""
+    parts = ("attn1", "attn2", "ff")
+    return ([f"{block}.0.in", f"{block}.0.out", f"{block}.1.proj_in"]
+            + [f"{block}.1.transformer_blocks.{d}.{part}" for d in range(depth) for part in parts]
+            + [f"{block}.1.proj_out"])
+
+
+# Stage counts by hand from the LDM layouts: a conv / Downsample / Upsample is 1 stage, a ResBlock 2,
+# a SpatialTransformer of depth d is 2 + 3 d. SD1.5: input 50, middle 9, output 72; SDXL: 95, 36, 140.
+@pytest.mark.parametrize(("config", "input_blocks", "stage_count"),
+                         [(sd15_unet_config(), 12, 1 + 50 + 9 + 72 + 1),
+                          (sdxl_unet_config(), 9, 1 + 95 + 36 + 140 + 1)])
+def test_every_parameter_belongs_to_exactly_one_stage_and_stages_follow_ldm_order(config, input_blocks,
+                                                                                   stage_count):
     model = UNetModel(config)
     stages = model.stages()
-    expected_names = (["embed"] + [f"input_blocks.{i}" for i in range(input_blocks)] + ["middle_block"]
+    names = [stage.name for stage in stages]
+    assert len(names) == len(set(names)) == stage_count
+    block_prefixes = (["embed"] + [f"input_blocks.{i}" for i in range(input_blocks)] + ["middle_block"]
                       + [f"output_blocks.{i}" for i in range(input_blocks)] + ["out"])
-    assert [stage.name for stage in stages] == expected_names
+    prefix_of_name = [re.match(r"embed|out$|input_blocks\.\d+|middle_block|output_blocks\.\d+", n).group()
+                      for n in names]
+    assert list(dict.fromkeys(prefix_of_name)) == block_prefixes  # each block's stages together, in LDM order
+    assert names[:3] == ["embed", "input_blocks.0.0", "input_blocks.1.0.in"]
+    if config.family == "sdxl":
+        middle = [n for n in names if n.startswith("middle_block.")]
+        assert middle == (resblock_and_transformer_stage_names("middle_block", 10)
+                          + ["middle_block.2.in", "middle_block.2.out"])
+        assert [n for n in names if n.startswith("input_blocks.4.")] == (
+            resblock_and_transformer_stage_names("input_blocks.4", 2))
+        assert "output_blocks.2.2" in names and "output_blocks.5.2" in names  # the two Upsamples
+    else:
+        assert [n for n in names if n.startswith("output_blocks.2.")] == [
+            "output_blocks.2.0.in", "output_blocks.2.0.out", "output_blocks.2.1"]  # ResBlock, Upsample
+        assert names[-2:] == ["output_blocks.11.1.proj_out", "out"]
     owners: dict[int, int] = {}
     for stage in stages:
         for param in stage.parameters():
@@ -227,6 +277,22 @@ def test_every_parameter_belongs_to_exactly_one_stage_and_stages_follow_ldm_orde
     assert set(owners.values()) == {1}
     embed = stages[0]
     assert set(embed.modules) == ({model.time_embed} | ({model.label_emb} if model.label_emb else set()))
+
+
+@pytest.mark.parametrize("config", [sd15_unet_config(), sdxl_unet_config()], ids=["sd15", "sdxl"])
+def test_each_stage_reads_exactly_the_parameters_of_its_modules_on_meta(config):
+    model = UNetModel(config)  # on meta: the full-size graph runs without memory or compute
+    y = None if config.adm_in_channels is None else torch.zeros(1, config.adm_in_channels, device="meta")
+    state = model.initial_state(torch.zeros(1, 4, 16, 16, device="meta"), torch.zeros(1, device="meta"),
+                                torch.zeros(1, 77, config.context_dim, device="meta"), y)
+    parameter_ids = {id(p) for p in model.parameters()}
+    with torch.no_grad():
+        for stage in model.stages():
+            with ParameterReads() as reads:
+                state = stage.run(state)
+            assert reads.ids & parameter_ids == {id(p) for p in stage.parameters()}, stage.name
+    assert tuple(state["h"].shape) == (1, config.out_channels, 16, 16)
+    assert sorted(state) == ["context", "emb", "h", "hs"] and state["hs"] == []  # no temporary key left
 
 
 @pytest.mark.parametrize("case", sorted(FULL_CASES))
