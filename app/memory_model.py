@@ -170,15 +170,15 @@ class MemoryModel:
         self._copied_bytes += nbytes
         self._transfers.append((event.time, nbytes))
         self._throughput.append((event.time, self._rate(event.time)))
-        if event.get("stream") is not None and self._plan is not None:
-            computing = [s for s in self._plan["segments"] if s["state"] == "computing"]
-            if computing:  # a side-stream copy while a segment computes: the next one is prefetching
-                following = [s for s in self._plan["segments"] if s["index"] > computing[0]["index"]]
-                if following and following[0]["state"] != "resident":
-                    following[0]["state"] = "prefetching"
+        key = str(event.get("key", ""))
+        if key.startswith("segment "):  # a streamed segment's copy is queued: it prefetches until it computes
+            segment = self._segment(event.get("module"), int(key.removeprefix("segment ")))
+            if segment is not None and segment["state"] != "computing":
+                segment["state"] = "prefetching"
 
     def _on_plan(self, event: Event) -> None:
         previous = self._plan
+        streamed = list(event.get("streamed") or [])
         same = (previous is not None and previous["module"] == event.get("module")
                 and [(s["start"], s["stop"]) for s in previous["segments"]]
                 == [(start, stop) for start, stop, _ in event.get("segments", [])])
@@ -190,6 +190,7 @@ class MemoryModel:
             "capacity": int(event.get("capacity", 0)),
             "segments": [
                 {"index": index, "start": start, "stop": stop, "weight_bytes": int(nbytes),
+                 "streamed": bool(streamed[index]) if index < len(streamed) else False,
                  "state": previous["segments"][index]["state"] if same else "evicted"}
                 for index, (start, stop, nbytes) in enumerate(event.get("segments", []))
             ],
@@ -209,8 +210,8 @@ class MemoryModel:
 
     def _on_segment_end(self, event: Event) -> None:
         segment = self._segment(event.get("module"), event.get("index"))
-        if segment is not None:
-            segment["state"] = "resident"
+        if segment is not None:  # a streamed segment's ring bytes go to the next ones
+            segment["state"] = "evicted" if segment.get("streamed") else "resident"
 
     def _on_eviction(self, event: Event) -> None:
         if event.get("allocation") != "weights":

@@ -89,6 +89,7 @@ class DeviceLedger:
         self._lock = threading.RLock()
         self._tracked: dict[tuple[str, str, str], _Allocation] = {}  # (module, kind, key) -> allocation
         self._live: tuple[int, int, int] | None = None  # (total, free, tracked) at the last refresh
+        self._on_release: dict[tuple[str, str, str], Callable[[], None]] = {}
 
     @classmethod
     def for_device(
@@ -182,14 +183,22 @@ class DeviceLedger:
                 (m, key, a.nbytes) for (m, k, key), a in self._tracked.items() if k == "workspace" and a.idle
             ]
 
+    def on_release(self, module: str, kind: str, key: str, callback: Callable[[], None]) -> None:
+        """Call `callback` when (module, kind, key) is next released, by its owner or by eviction: the owner
+        of a real buffer behind a tracked workspace drops the buffer there."""
+        with self._lock:
+            self._on_release[(module, kind, key)] = callback
+
     def release(self, module: str, kind: str, key: str) -> int:
         """Stop tracking (module, kind, key); returns the bytes released (0 if it was not tracked)."""
         with self._lock:
             allocation = self._tracked.pop((module, kind, key), None)
-            if allocation is None:
-                return 0
-            self._publish(module, kind, key, -allocation.nbytes)
-            return allocation.nbytes
+            callback = self._on_release.pop((module, kind, key), None)
+            if allocation is not None:
+                self._publish(module, kind, key, -allocation.nbytes)
+        if callback is not None:
+            callback()
+        return 0 if allocation is None else allocation.nbytes
 
     def snapshot(self) -> dict:
         """Budget, free, available, peak and tracked bytes per module split into weights and workspace."""

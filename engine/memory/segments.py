@@ -1,26 +1,29 @@
-"""Segmented execution: cut a module's stages into segments that fit, and run them (reference/001).
+"""Segmented execution: run a module's stages within a device budget (reference/001, edge-dit's streaming).
 
-The planner cuts only at stage boundaries (the graph cuts of the model contract) and merges neighbours
-while a segment's missing weights plus its compute workspace fit the capacity; a module whose weights and
-workspace fit runs as one segment and keeps its weights resident. Plans are cached per input shape,
-budget and workspace estimate, and reused while they still fit.
+`segment_plan.py` decides which stages keep their weights resident and which stream them through the
+stream ring (`stream_ring.py`). The runner here executes a plan:
 
-The runner stages each segment's weights through the weight store: acquire and pin before the segment
-computes, unpin after, so replicas stay resident for the next call until eviction needs the room. On
-CUDA the next parameter-bearing segment is copied on a side stream while the current one computes; the
-compute stream waits on the copy's event and the replicas are recorded on the compute stream, so the
-caching allocator cannot reuse them early.
+- a whole plan (the module fits) binds every weight once and then runs the stages with no per-stage work;
+- resident segments acquire their replicas from the weight store (copied on first use, kept across calls,
+  pinned while they compute, evicted only when the ledger needs room);
+- streamed segments are copied into the ring for every call. With prefetch on CUDA their copies run on a
+  side stream, queued as far ahead as the ring allows; GPU events order each copy after the compute of the
+  segments whose ring bytes it overwrites, so the host never waits. `--disable-prefetch` copies each one
+  on the compute stream just before it runs.
 
-Workspace: on CUDA the peak of `torch.cuda.max_memory_allocated` above the segment's starting allocation,
-measured on the first run of each input shape (this resets the device's peak counter). On other devices
-there is no allocator report, so the estimate is twice the largest tensor seen in the stage states
-(a stage's input and output live together); the first plan of a shape uses twice the largest input tensor.
+Workspace (everything a call allocates besides weights: the state carried between stages, such as a UNet's
+skip connections, and each stage's temporaries) is measured on the first call of each input shape: on CUDA
+the peak of `torch.cuda.max_memory_allocated` over every stage, less the weights the ledger tracks, less
+what was allocated before the call; on other devices (no allocator report) twice the largest tensor seen in
+the stage states. The same call times each stage (CUDA events, or the wall clock on a CPU), and the plan is
+remade with those times so streamed bytes follow compute. Plans are cached per input shape, budget and
+workspace, and reused while they still fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,73 +31,15 @@ import torch
 from engine import telemetry
 from engine.devices import device_name
 from engine.memory.ledger import BudgetExceeded, DeviceLedger
+from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
+from engine.memory.stream_ring import StreamRing
 from engine.memory.weight_store import WeightStore
-from engine.models.staged import Stage, State, run_stages
+from engine.models.staged import Stage, State
+
+__all__ = ["Segment", "SegmentPlan", "SegmentRunner", "plan_segments"]
 
 WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per module
-
-
-@dataclass(frozen=True)
-class Segment:
-    index: int
-    start: int  # first stage index
-    stop: int  # one past the last stage index
-    keys: tuple[str, ...]  # weights the segment reads
-    weight_bytes: int  # all its weights
-    cost_bytes: int  # weights not resident for good + workspace: what must fit while it computes
-
-
-@dataclass(frozen=True)
-class SegmentPlan:
-    segments: tuple[Segment, ...]
-    workspace_bytes: int  # workspace estimate the plan was made with
-    capacity_bytes: int  # what was available to the module when planned
-    whole: bool  # the whole module fits: one segment, weights left resident
-
-
-def plan_segments(
-    stages: Sequence[Stage],
-    stage_weight_bytes: Sequence[Mapping[str, int]],
-    workspace_estimate: int,
-    budget_available: int,
-    resident_keys: Collection[str] = (),
-) -> SegmentPlan:
-    """Greedy graph-cut plan: each segment's non-resident weight bytes + workspace <= budget_available.
-
-    `stage_weight_bytes[i]` maps the keys stage i reads to their bytes; `resident_keys` are weights that
-    stay on the device anyway (they cost nothing). A stage that cannot fit alone raises BudgetExceeded.
-    """
-    if len(stage_weight_bytes) != len(stages):
-        raise ValueError(f"{len(stages)} stages but {len(stage_weight_bytes)} weight maps")
-    resident = set(resident_keys)
-
-    def cost(keys: Mapping[str, int]) -> int:
-        return sum(nbytes for key, nbytes in keys.items() if key not in resident) + workspace_estimate
-
-    def segment(index: int, start: int, stop: int, keys: Mapping[str, int]) -> Segment:
-        return Segment(index, start, stop, tuple(keys), sum(keys.values()), cost(keys))
-
-    everything = {k: n for weights in stage_weight_bytes for k, n in weights.items()}
-    if cost(everything) <= budget_available:
-        whole = segment(0, 0, len(stages), everything)
-        return SegmentPlan((whole,), workspace_estimate, budget_available, True)
-    segments: list[Segment] = []
-    start, keys = 0, {}
-    for index, (stage, weights) in enumerate(zip(stages, stage_weight_bytes, strict=True)):
-        if cost(weights) > budget_available:
-            missing = cost(weights) - workspace_estimate
-            raise BudgetExceeded(
-                f"stage {stage.name!r} (index {index}) cannot fit on its own: {missing} bytes of "
-                f"weights + {workspace_estimate} bytes of workspace > {budget_available} bytes "
-                f"available; raise --max-vram or free device memory"
-            )
-        merged = {**keys, **weights}
-        if index > start and cost(merged) > budget_available:
-            segments.append(segment(len(segments), start, index, keys))
-            start, merged = index, dict(weights)
-        keys = merged
-    segments.append(segment(len(segments), start, len(stages), keys))
-    return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False)
+RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -118,6 +63,50 @@ def _shape_signature(state: State) -> tuple:
     )
 
 
+class _Measurement:
+    """Per-stage times and the workspace peak of one call (the first of an input shape)."""
+
+    def __init__(self, runner: SegmentRunner, state: State, count: int) -> None:
+        self.runner = runner
+        self.cuda = runner.device.type == "cuda"
+        self.largest = [_largest_tensor_bytes(state)]
+        self.seconds = [0.0] * count
+        self.workspace = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._began = 0.0
+        if self.cuda:
+            self.base = torch.cuda.memory_allocated(runner.device) - self._weights_on_device()
+
+    def _weights_on_device(self) -> int:
+        return self.runner.ledger.tracked(kind="weights") + self.runner.ring_bytes()
+
+    def before(self, index: int) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.runner.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._events.append((start, end))
+        else:
+            self._began = time.perf_counter()
+
+    def after(self, index: int, state: State) -> None:
+        if self.cuda:
+            self._events[-1][1].record()
+            peak = torch.cuda.max_memory_allocated(self.runner.device) - self._weights_on_device()
+            self.workspace = max(self.workspace, peak - self.base)
+        else:
+            self.seconds[index] = time.perf_counter() - self._began
+            self.largest.append(_largest_tensor_bytes(state))
+
+    def finish(self) -> tuple[int, list[float]]:
+        """(workspace bytes, seconds per stage)."""
+        if not self.cuda:
+            return 2 * max(self.largest), self.seconds
+        self._events[-1][1].synchronize()
+        seconds = [start.elapsed_time(end) / 1e3 for start, end in self._events]
+        return max(self.workspace, 0), seconds
+
+
 class SegmentRunner:
     def __init__(
         self,
@@ -130,27 +119,46 @@ class SegmentRunner:
     ) -> None:
         """Runs stage lists on `device` within `ledger`'s budget, with weights from `store`.
 
-        `prefetch` False = no side-stream copies (reference/001 --disable-prefetch); `segmented` False = one
-        segment always (--disable-segmented-compute), failing when it does not fit after eviction.
+        `prefetch` False = streamed segments are copied just before they run, on the compute stream
+        (reference/001 --disable-prefetch); `segmented` False = one segment always
+        (--disable-segmented-compute), failing when it does not fit after eviction.
         """
         self.store = store
         self.ledger = ledger
         self.device = torch.device(device)
-        self.prefetch = prefetch and self.device.type == "cuda"
+        self.prefetch = prefetch
         self.segmented = segmented
         self.bus = bus or telemetry.bus
         self.plan: SegmentPlan | None = None
         self.module: str | None = None
         self._plans: dict[tuple, SegmentPlan] = {}
         self._workspace: dict[tuple, int] = {}  # shape signature -> measured workspace bytes
+        self._seconds: dict[tuple, list[float]] = {}  # shape signature -> measured seconds per stage
+        self._ring: StreamRing | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
         self._computing: int | None = None
-        self._pending: tuple[int, dict[str, torch.Tensor], torch.cuda.Event] | None = None
-        self._side_stream: torch.cuda.Stream | None = None
-        self._active: tuple[Segment, Sequence[Stage]] | None = None  # pinned and bound until it ends
+        self._issued: set[int] = set()  # streamed segments whose copy is queued and not yet computed
+        self._bound_ring: Segment | None = None  # the streamed segment whose ring views are bound now
+        self._resident: tuple[int, frozenset[str]] | None = None  # (id(plan), keys of its resident segments)
+        self._ready: tuple[int, int] | None = None  # (id(whole plan), store generation) with all bound
+        self._pinned: list[str] = []  # keys pinned while a resident segment computes
+
+    def ring_bytes(self) -> int:
+        return 0 if self._ring is None else self._ring.nbytes
+
+    def is_ready(self) -> bool:
+        """The last plan is whole and every weight of it is still bound: the next run copies nothing."""
+        return self.plan is not None and self._ready == (id(self.plan), self.store.generation)
+
+    def _resident_keys(self, plan: SegmentPlan) -> frozenset[str]:
+        if self._resident is None or self._resident[0] != id(plan):
+            keys = frozenset(k for s in plan.segments if not s.streamed for k in s.keys)
+            self._resident = (id(plan), keys)
+        return self._resident[1]
 
     def run(self, stages: Sequence[Stage], state: State, module: str | None = None) -> State:
         """Run `stages` on `state` segment by segment; returns the final state."""
-        self.ledger.refresh()  # live free memory is read once per run (one driver query, about 1 ms on CUDA)
+        self.ledger.refresh()  # live free memory is read once per run (one driver query)
         stage_keys = [self.store.stage_keys(stage) for stage in stages]
         all_keys = [k for keys in stage_keys for k in keys]
         self.module = module or (self.store.module_of(all_keys[0]) if all_keys else "model")
@@ -158,131 +166,96 @@ class SegmentRunner:
         measuring = signature not in self._workspace
         workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
         plan = self._plan_for(stages, stage_keys, workspace, signature)
-        self.store.set_segments({k: segment.index for segment in plan.segments for k in segment.keys})
-        segment_of_stage = {
-            i: segment for segment in plan.segments for i in range(segment.start, segment.stop)
-        }
-        seen = [_largest_tensor_bytes(state)]
-        peaks: list[int] = []
-
-        def observed(stage: Stage) -> Stage:
-            def run_and_observe(s: State) -> State:
-                s = stage.run(s)
-                seen.append(_largest_tensor_bytes(s))
-                return s
-
-            return Stage(stage.name, stage.modules, run_and_observe)
-
-        def before(index: int, stage: Stage) -> None:
-            segment = segment_of_stage[index]
-            if index == segment.start:
-                self._start_segment(plan, segment, stages)
-                if measuring and self.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    peaks.append(-torch.cuda.memory_allocated(self.device))
-
-        def after(index: int, stage: Stage) -> None:
-            segment = segment_of_stage[index]
-            if index == segment.stop - 1:
-                if measuring and self.device.type == "cuda":
-                    peaks[-1] += torch.cuda.max_memory_allocated(self.device)
-                self._end_segment(segment, stages)
-
+        measurement = _Measurement(self, state, len(stages)) if measuring else None
         try:
-            state = run_stages([observed(stage) for stage in stages], state, before, after)
+            self._allocate(self.module, WORKSPACE_KEY, plan.workspace_bytes)
+            if plan.whole:
+                state = self._run_whole(plan, stages, state, measurement)
+            else:
+                state = self._run_segments(plan, stages, state, measurement)
         finally:
             self._abandon()
-        if measuring:
-            self._workspace[signature] = max(peaks) if peaks else 2 * max(seen)
+        if measurement is not None:
+            self._workspace[signature], self._seconds[signature] = measurement.finish()
         return state
 
-    def snapshot(self) -> dict:
-        """The current plan with each segment's state: resident, prefetching, computing or evicted."""
-        if self.plan is None:
-            return {"module": self.module, "device": device_name(self.device), "segments": []}
-        pending = self._pending[0] if self._pending is not None else None
-        rows = []
-        for segment in self.plan.segments:
-            if segment.index == self._computing:
-                status = "computing"
-            elif segment.index == pending:
-                status = "prefetching"
-            elif all(self.store.is_resident(k) for k in segment.keys):
-                status = "resident"
+    # ------------------------------------------------------------------------------------------ running
+
+    def _run_whole(
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: _Measurement | None
+    ) -> State:
+        segment = plan.segments[0]
+        self._drop_ring()
+        self._start(segment)
+        if self._ready != (id(plan), self.store.generation):  # else nothing was evicted since the last run
+            self._hold(segment.keys)
+        state = self._run_stages(stages, 0, len(stages), state, measurement)
+        self._end(segment)
+        self._ready = (id(plan), self.store.generation)
+        return state
+
+    def _run_segments(
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: _Measurement | None
+    ) -> State:
+        ring = self._ring_for(plan)
+        resident = self._resident_keys(plan)
+        streamed = [s for s in plan.segments if s.streamed]
+        stream = None
+        if self.device.type == "cuda":
+            compute = torch.cuda.current_stream(self.device)
+            stream = self._side_stream() if self.prefetch else compute
+            stream.wait_stream(compute)  # the ring's bytes may still be read by the last call's compute
+        queued = 0  # streamed segments whose copy is queued, in order
+        for segment in plan.segments:
+            if self.prefetch:
+                while queued < len(streamed) and all(w < segment.index for w in streamed[queued].waits):
+                    self._queue_copy(ring, plan, resident, streamed[queued], stream)
+                    queued += 1
+            elif segment.streamed:
+                self._queue_copy(ring, plan, resident, segment, stream)
+            self._start(segment)
+            if segment.streamed:
+                if stream is not None:
+                    ring.wait_copied(segment)
+                self._issued.discard(segment.index)
+                self._bound_ring = segment
+                self._hold(ring.bind(plan, segment, resident))
             else:
-                status = "evicted"
-            rows.append(
-                {
-                    "index": segment.index,
-                    "stages": (segment.start, segment.stop),
-                    "weight_bytes": segment.weight_bytes,
-                    "state": status,
-                }
-            )
-        return {
-            "module": self.module,
-            "device": device_name(self.device),
-            "whole": self.plan.whole,
-            "workspace_bytes": self.plan.workspace_bytes,
-            "segments": rows,
-        }
+                self._hold(segment.keys)
+            state = self._run_stages(stages, segment.start, segment.stop, state, measurement)
+            if segment.streamed:
+                ring.mark_done(segment)
+            self._end(segment)
+        return state
 
-    def _capacity(self) -> int:
-        """What this module can use: free budget plus everything eviction could reclaim."""
-        return self.ledger.available() + self.store.evictable_bytes(self.device)
+    def _hold(self, keys: Sequence[str]) -> None:
+        """Acquire, bind and pin `keys` for the segment about to compute."""
+        missing = [k for k in keys if not self.store.is_bound(k)]
+        if missing:
+            self.store.bind_keys(missing, self.store.acquire(missing, self.device))
+        self.store.pin(keys)
+        self._pinned = list(keys)
 
-    def _plan_for(
-        self, stages: Sequence[Stage], stage_keys: list[list[str]], workspace: int, signature: tuple
-    ) -> SegmentPlan:
-        capacity = self._capacity()
-        cache_key = (self.module, len(stages), signature, self.ledger.budget_bytes, workspace)
-        cached = self._plans.get(cache_key)
-        if cached is not None and self._still_good(cached, capacity):
-            self.plan = cached
-            self._publish_plan(cached, cached=True)
-            return cached
-        weights = [{k: self.store.nbytes(k) for k in keys} for keys in stage_keys]
-        resident = [k for keys in stage_keys for k in keys if self.store.home(k) == "device"]
-        budget = (
-            capacity
-            if self.segmented
-            else max(capacity, sum(self.store.nbytes(k) for ks in stage_keys for k in ks) + workspace)
-        )
-        plan = plan_segments(stages, weights, workspace, budget, resident)
-        if not plan.whole and self.prefetch:
-            try:  # half the room for each segment, so the next one can be copied while this one computes
-                plan = plan_segments(
-                    stages, weights, workspace, workspace + (budget - workspace) // 2, resident
-                )
-            except BudgetExceeded:
-                pass  # a stage too large to double-buffer: segments without overlap
-        self._plans[cache_key] = plan
-        self.plan = plan
-        self._publish_plan(plan, cached=False)
-        return plan
+    def _run_stages(
+        self, stages: Sequence[Stage], start: int, stop: int, state: State, measurement: _Measurement | None
+    ) -> State:
+        if measurement is None:
+            for stage in stages[start:stop]:
+                state = stage.run(state)
+            return state
+        for index in range(start, stop):
+            measurement.before(index)
+            state = stages[index].run(state)
+            measurement.after(index, state)
+        return state
 
-    def _still_good(self, plan: SegmentPlan, capacity: int) -> bool:
-        """A cached plan still fits, and is not segmented when the whole module would now fit."""
-        if max(s.cost_bytes for s in plan.segments) > capacity:
-            return False
-        if not plan.whole and self.segmented:
-            keys = {k for s in plan.segments for k in s.keys if self.store.home(k) != "device"}
-            return sum(self.store.nbytes(k) for k in keys) + plan.workspace_bytes > capacity
-        return True
+    def _queue_copy(
+        self, ring: StreamRing, plan: SegmentPlan, resident: frozenset[str], segment: Segment, stream: Any
+    ) -> None:
+        ring.copy(plan, segment, resident, stream, self.module)
+        self._issued.add(segment.index)
 
-    def _publish_plan(self, plan: SegmentPlan, cached: bool) -> None:
-        self.bus.publish(
-            "plan",
-            device=device_name(self.device),
-            module=self.module,
-            cached=cached,
-            whole=plan.whole,
-            workspace=plan.workspace_bytes,
-            capacity=plan.capacity_bytes,
-            segments=[(s.start, s.stop, s.weight_bytes) for s in plan.segments],
-        )
-
-    def _start_segment(self, plan: SegmentPlan, segment: Segment, stages: Sequence[Stage]) -> None:
+    def _start(self, segment: Segment) -> None:
         self._computing = segment.index
         self.bus.publish(
             "segment_start",
@@ -292,69 +265,168 @@ class SegmentRunner:
             stages=(segment.start, segment.stop),
             weight_bytes=segment.weight_bytes,
         )
-        try:
-            self.ledger.allocate(self.module, "workspace", WORKSPACE_KEY, plan.workspace_bytes)
-        except BudgetExceeded:
-            self.store.evict_until_fits(plan.workspace_bytes, self.device)
-            self.ledger.allocate(self.module, "workspace", WORKSPACE_KEY, plan.workspace_bytes)
-        if self._pending is not None and self._pending[0] == segment.index:
-            _, tensors, event = self._pending
-            self._pending = None
-            stream = torch.cuda.current_stream(self.device)
-            stream.wait_event(event)
-            for tensor in tensors.values():
-                tensor.record_stream(stream)
-        else:
-            tensors = self.store.acquire(segment.keys, self.device)
-            self.store.pin(segment.keys)
-        self._active = (segment, stages)
-        if self.prefetch:
-            self._prefetch_after(plan, segment.index)
-        for stage in stages[segment.start : segment.stop]:
-            self.store.bind_stage_weights(stage, tensors)
 
-    def _end_segment(self, segment: Segment, stages: Sequence[Stage]) -> None:
-        for stage in stages[segment.start : segment.stop]:
-            self.store.unbind_stage_weights(stage)
-        self.store.unpin(segment.keys)
-        self._active = None
-        self.ledger.set_idle(self.module, WORKSPACE_KEY)
+    def _end(self, segment: Segment) -> None:
+        if self._bound_ring is not None:
+            self._ring.rest(self.plan, self._bound_ring, self._resident_keys(self.plan))
+            self._bound_ring = None
+        if self._pinned:
+            self.store.unpin(self._pinned)
+            self._pinned = []
         self._computing = None
         self.bus.publish(
             "segment_end", device=device_name(self.device), module=self.module, index=segment.index
         )
 
-    def _prefetch_after(self, plan: SegmentPlan, index: int) -> None:
-        """Copy the next parameter-bearing segment's weights on the side stream if they fit beside it."""
-        following = [s for s in plan.segments[index + 1 :] if s.keys]
-        if not following:
-            return
-        segment = following[0]
-        missing = sum(self.store.nbytes(k) for k in segment.keys if not self.store.is_resident(k))
-        if not self.ledger.would_fit(missing):
-            self.store.evict_until_fits(missing, self.device, protect=segment.keys)
-            if not self.ledger.would_fit(missing):
-                return
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(self.device)
-        self._side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        try:
-            tensors = self.store.acquire(segment.keys, self.device, stream=self._side_stream)
-        except BudgetExceeded:
-            return
-        event = torch.cuda.Event()
-        event.record(self._side_stream)
-        self.store.pin(segment.keys)
-        self._pending = (segment.index, tensors, event)
-
     def _abandon(self) -> None:
-        """After a run (or a failure): release the workspace and any prefetch nobody consumed."""
-        if self._pending is not None:
-            index, _, event = self._pending
-            event.synchronize()
-            self.store.unpin(self.plan.segments[index].keys)
-            self._pending = None
-        if self._active is not None:
-            segment, stages = self._active
-            self._end_segment(segment, stages)
+        """After a run (or a failure): unbind ring views, unpin, mark the workspaces idle."""
+        if self._bound_ring is not None and self._ring is not None:
+            self._ring.rest(self.plan, self._bound_ring, self._resident_keys(self.plan))
+        self._bound_ring = None
+        if self._pinned:
+            self.store.unpin(self._pinned)
+            self._pinned = []
+        self._computing = None
+        self._issued.clear()
         self.ledger.release(self.module, "workspace", WORKSPACE_KEY)
+        if self._ring is not None:
+            self.ledger.set_idle(self.module, RING_KEY)
+
+    # ------------------------------------------------------------------------------------------ memory
+
+    def _allocate(self, module: str, key: str, nbytes: int) -> None:
+        """Track a workspace, evicting idle workspaces and replicas for it when needed."""
+        try:
+            self.ledger.allocate(module, "workspace", key, nbytes)
+        except BudgetExceeded:
+            self.store.evict_until_fits(nbytes, self.device)
+            self.ledger.allocate(module, "workspace", key, nbytes)
+
+    def _ring_for(self, plan: SegmentPlan) -> StreamRing:
+        """The stream ring of `plan`'s size: the existing one when it still is, else a new one."""
+        if self._ring is not None and self._ring.nbytes == plan.ring_bytes:
+            self._allocate(self.module, RING_KEY, plan.ring_bytes)  # active again (or re-tracked)
+            self.ledger.on_release(self.module, "workspace", RING_KEY, self._forget_ring)
+            self._ring.forget(plan)
+            return self._ring
+        self._drop_ring()
+        self._allocate(self.module, RING_KEY, plan.ring_bytes)
+        buffer = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=self.device)
+        if self.device.type == "cuda" and self.prefetch:
+            buffer.record_stream(self._side_stream())
+        self._ring = StreamRing(self.store, buffer, self.bus)
+        self.ledger.on_release(self.module, "workspace", RING_KEY, self._forget_ring)
+        return self._ring
+
+    def _drop_ring(self) -> None:
+        if self._ring is not None:
+            self.ledger.release(self.module, "workspace", RING_KEY)  # calls _forget_ring
+        self._ring = None
+
+    def _forget_ring(self) -> None:
+        self._ring = None
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    # ------------------------------------------------------------------------------------------ planning
+
+    def snapshot(self) -> dict:
+        """The current plan with each segment's state: resident, prefetching, computing or evicted."""
+        if self.plan is None:
+            return {"module": self.module, "device": device_name(self.device), "segments": []}
+        rows = []
+        for segment in self.plan.segments:
+            if segment.index == self._computing:
+                status = "computing"
+            elif segment.index in self._issued:
+                status = "prefetching"
+            elif not segment.streamed and all(self.store.is_resident(k) for k in segment.keys):
+                status = "resident"
+            else:
+                status = "evicted"
+            rows.append(
+                {
+                    "index": segment.index,
+                    "stages": (segment.start, segment.stop),
+                    "weight_bytes": segment.weight_bytes,
+                    "streamed": segment.streamed,
+                    "state": status,
+                }
+            )
+        return {
+            "module": self.module,
+            "device": device_name(self.device),
+            "whole": self.plan.whole,
+            "workspace_bytes": self.plan.workspace_bytes,
+            "ring_bytes": self.plan.ring_bytes,
+            "segments": rows,
+        }
+
+    def _capacity(self) -> int:
+        """What this module can use: free budget plus everything eviction could reclaim (its own ring and
+        workspace included, since a new plan replaces them)."""
+        own = self.ledger.tracked(self.module, "workspace") if self.module else 0
+        return self.ledger.available() + self.store.evictable_bytes(self.device) + own - self._idle_own()
+
+    def _idle_own(self) -> int:
+        """This module's idle workspaces, which `evictable_bytes` already counts."""
+        return sum(n for m, _, n in self.ledger.idle_workspaces() if m == self.module)
+
+    def _plan_for(
+        self, stages: Sequence[Stage], stage_keys: list[list[str]], workspace: int, signature: tuple
+    ) -> SegmentPlan:
+        capacity = self._capacity()
+        seconds = self._seconds.get(signature)
+        budget = self.ledger.budget_bytes
+        cache_key = (self.module, len(stages), signature, budget, workspace, seconds is None)
+        cached = self._plans.get(cache_key)
+        if cached is not None and self._still_good(cached, capacity):
+            if cached is not self.plan:
+                self._use(cached, cached=True)
+            return cached
+        weights = [{k: self.store.nbytes(k) for k in keys} for keys in stage_keys]
+        resident = [k for keys in stage_keys for k in keys if self.store.home(k) == "device"]
+        if self.segmented:
+            plan = plan_segments(stages, weights, workspace, capacity, resident, seconds, self.prefetch)
+        else:
+            everything = sum(self.store.nbytes(k) for keys in stage_keys for k in keys)
+            plan = plan_segments(stages, weights, workspace, max(capacity, everything + workspace), resident)
+        self._plans[cache_key] = plan
+        self._use(plan, cached=False)
+        return plan
+
+    def _use(self, plan: SegmentPlan, cached: bool) -> None:
+        """Adopt `plan`: replicas of weights it streams are dropped (they are outside its budget)."""
+        self.plan = plan
+        resident = {k for segment in plan.segments if not segment.streamed for k in segment.keys}
+        self.store.release_keys(k for segment in plan.segments for k in segment.keys if k not in resident)
+        self.store.set_segments(
+            {k: None if s.streamed else s.index for s in plan.segments for k in s.keys}
+        )
+        self.bus.publish(
+            "plan",
+            device=device_name(self.device),
+            module=self.module,
+            cached=cached,
+            whole=plan.whole,
+            workspace=plan.workspace_bytes,
+            capacity=plan.capacity_bytes,
+            ring=plan.ring_bytes,
+            segments=[(s.start, s.stop, s.weight_bytes) for s in plan.segments],
+            streamed=[s.streamed for s in plan.segments],
+        )
+
+    def _still_good(self, plan: SegmentPlan, capacity: int) -> bool:
+        """A cached plan still fits, and is not segmented when the whole module would now fit."""
+        need = plan.workspace_bytes + plan.ring_bytes + plan.resident_bytes
+        if plan.whole:
+            return plan.segments[0].cost_bytes <= capacity
+        if need > capacity:
+            return False
+        if self.segmented:
+            keys = {k for s in plan.segments for k in s.keys if self.store.home(k) != "device"}
+            return sum(self.store.nbytes(k) for k in keys) + plan.workspace_bytes > capacity
+        return True

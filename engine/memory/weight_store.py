@@ -2,7 +2,10 @@
 
 Homes (reference/000, "Runtime backend vs. parameter backend"):
 - "device": the tensor lives on the compute device for good (tracked in the device ledger at load);
-- "cpu": the tensor lives in RAM, pinned once at load when the compute device is CUDA;
+- "cpu": the tensor lives in RAM, pinned once at load when the compute device is CUDA. A model's cpu-home
+  weights share one host arena in registration order (stage order for the staged models), each at an
+  ALIGN-byte boundary, so the weights of consecutive stages are one contiguous span that a segment runner
+  copies in a single transfer (`host_span`);
 - "disk": nothing is kept; each copy re-reads the tensor from a source (e.g. a safetensors reader),
   through a reusable pinned staging buffer on CUDA.
 
@@ -15,13 +18,17 @@ every eviction an "eviction" event.
 
 Models are built on the `meta` device; `register_model` records for each parameter the module that
 owns it, and `bind_stage_weights` / `unbind_stage_weights` swap the owner's `_parameters` entry between
-the replica and a meta placeholder, so a stage computes on store-owned tensors. Keys are
+the replica and a meta placeholder, so a stage computes on store-owned tensors. A replica stays bound
+until it is evicted, so a module whose weights stay resident runs with no per-call binding work; tensors
+that are valid only while a segment computes (a segment runner's stream buffer) are bound with
+`bind_parameter` and put back with `rest`. Parameter objects are made once per tensor and reused. Keys are
 `"<module>/<parameter name>"`; the source is called with the parameter name (the checkpoint key).
 RAM held by cpu homes is not tracked by a ledger here; only compute-device memory is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -36,6 +43,11 @@ from engine.models.staged import Stage
 
 Source = Callable[[str], torch.Tensor]  # checkpoint key -> tensor, e.g. safe_open(path, "pt").get_tensor
 HOMES = ("device", "cpu", "disk")
+ALIGN = 256  # bytes: the arena and stream-buffer offset of every weight, enough for any dtype's alignment
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 class WeightStoreError(ValueError):
@@ -55,12 +67,23 @@ class _Weight:
     nbytes: int
     order: int  # registration order, a stable tie-breaker
     home_tensor: torch.Tensor | None = None  # device home: on the device; cpu home: in (pinned) RAM
+    host_offset: int | None = None  # cpu home: byte offset in the model's host arena
     source: Source | None = None  # disk home
     replica: torch.Tensor | None = None  # compute-device copy of a cpu or disk home
+    replica_parameter: nn.Parameter | None = None
+    resting: nn.Parameter | None = None  # what the owners hold when nothing is bound: home tensor or meta
     pins: int = 0
+    group: _Group | None = None  # replica: the weights sharing its device buffer
     segment: int | None = None  # index in the current segment plan, None when not in one
     last_used: int = 0
     bound: bool = False  # the owner's parameter currently is the replica
+
+
+@dataclass(eq=False)
+class _Group:
+    """Replicas copied together into one device buffer: they leave the device together."""
+
+    members: list[_Weight]
 
 
 @dataclass
@@ -81,7 +104,10 @@ class WeightStore:
         self._staging: dict[torch.device, list[_Staging]] = {}
         # id()s of a stage's modules -> (the modules, kept so the ids stay theirs, and the stage's keys)
         self._stage_keys: dict[tuple[int, ...], tuple[tuple[nn.Module, ...], list[str]]] = {}
+        self._arenas: dict[str, torch.Tensor] = {}  # module -> its cpu-home weights' host arena (uint8)
         self._clock = 0
+        self.generation = 0  # counts evictions: a runner whose weights were all bound at generation g
+        # knows they still are while the generation is g
 
     def ledger(self, device: torch.device | str) -> DeviceLedger:
         name = device_name(device)
@@ -105,6 +131,8 @@ class WeightStore:
         keys: list[str] = []
         key_of_parameter: dict[int, str] = {}
         originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+        arena = self._new_arena(model, device, home) if home in ("cpu", "device") else None
+        cursor = 0
         try:
             for owner_name, owner in model.named_modules():
                 for attribute, parameter in list(owner._parameters.items()):
@@ -114,9 +142,11 @@ class WeightStore:
                     key = key_of_parameter.get(id(parameter))
                     if key is None:
                         name = f"{owner_name}.{attribute}" if owner_name else attribute
-                        key = self._add(module, name, owner, attribute, parameter, home, device, source)
+                        slot = None if arena is None else (arena, cursor)
+                        key = self._add(module, name, owner, attribute, parameter, home, device, source, slot)
                         key_of_parameter[id(parameter)] = key
                         keys.append(key)
+                        cursor += aligned(self._weights[key].nbytes)
                     else:
                         self._weights[key].places.append((owner, attribute))
                     self._key_of[(id(owner), attribute)] = key
@@ -130,7 +160,20 @@ class WeightStore:
                 if home == "device":
                     self.ledger(device).release(module, "weights", key)
             raise
+        if arena is not None:
+            self._arenas[module] = arena
         return keys
+
+    @staticmethod
+    def _new_arena(model: nn.Module, device: torch.device, home: str) -> torch.Tensor:
+        """One buffer for every distinct parameter of `model`: on the device for a device home, else in RAM,
+        pinned when the compute device is CUDA. One allocation: the caching allocators would round each
+        tensor up (the host one to a power of two, the device one by up to a megabyte)."""
+        unique = {id(p): p for p in model.parameters()}.values()
+        total = sum(aligned(p.numel() * p.element_size()) for p in unique)
+        if home == "device":
+            return torch.empty(total, dtype=torch.uint8, device=device)
+        return torch.empty(total, dtype=torch.uint8, pin_memory=device.type == "cuda")
 
     def _add(
         self,
@@ -142,6 +185,7 @@ class WeightStore:
         home: str,
         device: torch.device,
         source: Source,
+        slot: tuple[torch.Tensor, int] | None = None,
     ) -> str:
         key = f"{module}/{name}"
         if key in self._weights:
@@ -162,15 +206,20 @@ class WeightStore:
         if home == "device":
             self.ledger(device).allocate(module, "weights", key, nbytes)
             try:
-                weight.home_tensor = self._read(weight, source).to(device)
+                arena, offset = slot
+                weight.home_tensor = _typed_view(arena, offset, weight.dtype, weight.shape)
+                weight.home_tensor.copy_(self._read(weight, source))
             except BaseException:
                 self.ledger(device).release(module, "weights", key)
                 raise
         elif home == "cpu":
-            tensor = self._read(weight, source).contiguous()
-            weight.home_tensor = tensor.pin_memory() if device.type == "cuda" else tensor
+            arena, offset = slot
+            weight.home_tensor = _typed_view(arena, offset, weight.dtype, weight.shape)
+            weight.home_tensor.copy_(self._read(weight, source))
+            weight.host_offset = offset
         else:
             weight.source = source
+        weight.resting = self._resting_parameter(weight)
         self._weights[key] = weight
         return key
 
@@ -209,13 +258,61 @@ class WeightStore:
     def module_of(self, key: str) -> str:
         return self._weight(key).module
 
+    def host_span(self, key: str) -> tuple[torch.Tensor, int] | None:
+        """(host arena, byte offset) of a cpu-home weight; None for device and disk homes."""
+        weight = self._weight(key)
+        if weight.host_offset is None:
+            return None
+        return self._arenas[weight.module], weight.host_offset
+
+    def read_host(self, key: str) -> torch.Tensor:
+        """The weight's host tensor: the cpu home itself, or a fresh read of a disk home (a disk2h event)."""
+        weight = self._weight(key)
+        if weight.home == "disk":
+            return self._read(weight, weight.source)
+        if weight.home == "cpu":
+            return weight.home_tensor
+        raise WeightStoreError(f"weight {key!r} lives on the device; it has no host copy")
+
+    def layout(self, key: str) -> tuple[torch.dtype, torch.Size, int]:
+        """(dtype, shape, bytes) of a weight."""
+        weight = self._weight(key)
+        return weight.dtype, weight.shape, weight.nbytes
+
+    def is_bound(self, key: str) -> bool:
+        """Whether the owners hold the device tensor now (device home, or a bound replica)."""
+        weight = self._weight(key)
+        return weight.home == "device" or weight.bound
+
+    def places(self, key: str) -> list[tuple[dict, str, nn.Parameter]]:
+        """(owner's `_parameters`, attribute, resting parameter) of every place of a weight: a runner binds a
+        tensor valid for one segment by assigning there, and puts the resting parameter back after."""
+        weight = self._weight(key)
+        return [(owner._parameters, attribute, weight.resting) for owner, attribute in weight.places]
+
+    def bind_parameter(self, key: str, parameter: nn.Parameter) -> None:
+        """Make `parameter` (a device tensor valid for one segment) the weight in every place; see `rest`."""
+        weight = self._weight(key)
+        for owner, attribute in weight.places:
+            owner._parameters[attribute] = parameter
+        weight.bound = False  # not a replica: eviction has nothing to unbind
+
+    def rest(self, keys: Iterable[str]) -> None:
+        """Put the weights back to what the owners hold at rest: a bound replica, else home tensor or meta."""
+        for key in keys:
+            weight = self._weights[key]
+            parameter = weight.replica_parameter if weight.bound else weight.resting
+            for owner, attribute in weight.places:
+                owner._parameters[attribute] = parameter
+
     def is_resident(self, key: str) -> bool:
         """Whether the weight is on its compute device now (device home, or a replica)."""
         weight = self._weight(key)
         return weight.home == "device" or weight.replica is not None
 
-    def set_segments(self, segment_of_key: Mapping[str, int]) -> None:
-        """Record each key's segment index in the current plan (the eviction order reads it)."""
+    def set_segments(self, segment_of_key: Mapping[str, int | None]) -> None:
+        """Record each key's segment index in the current plan (the eviction order reads it); None = in no
+        resident segment of it (evicted least recently used first)."""
         for key, index in segment_of_key.items():
             self._weight(key).segment = index
 
@@ -223,11 +320,7 @@ class WeightStore:
         """Bytes eviction could free on `device` now: unpinned replicas and idle workspaces."""
         device = torch.device(device)
         ledger = self.ledger(device)
-        replicas = sum(
-            w.nbytes
-            for w in self._weights.values()
-            if w.replica is not None and w.pins == 0 and w.device == device
-        )
+        replicas = sum(w.nbytes for w in self._weights.values() if w.device == device and self._evictable(w))
         return replicas + sum(nbytes for _, _, nbytes in ledger.idle_workspaces())
 
     def acquire(
@@ -250,14 +343,71 @@ class WeightStore:
         needed = sum(w.nbytes for w in missing)
         if missing and not ledger.would_fit(needed):
             self.evict_until_fits(needed, device, protect={w.key for w in weights})
-        for weight in missing:
-            ledger.allocate(weight.module, "weights", weight.key, weight.nbytes)
-            try:
-                weight.replica = self._copy_in(weight, stream)
-            except BaseException:
+        allocated: list[_Weight] = []
+        try:
+            for weight in missing:
+                ledger.allocate(weight.module, "weights", weight.key, weight.nbytes)
+                allocated.append(weight)
+            if missing:
+                self._copy_group(missing, device, stream)
+        except BaseException:
+            for weight in allocated:
                 ledger.release(weight.module, "weights", weight.key)
-                raise
+                weight.replica = weight.replica_parameter = weight.group = None
+            raise
         return {w.key: w.home_tensor if w.home == "device" else w.replica for w in weights}
+
+    def _copy_group(
+        self, missing: list[_Weight], device: torch.device, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Copy `missing` into one new device buffer, in host-arena order, neighbours in one transfer."""
+        cuda = device.type == "cuda"
+        order = sorted(missing, key=lambda w: (w.host_offset is None, w.host_offset or 0, w.order))
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            buffer = torch.empty(sum(aligned(w.nbytes) for w in order), dtype=torch.uint8, device=device)
+        group = _Group(order)
+        runs: list[list] = []  # [arena, host offset, buffer offset, bytes]
+        cursor = 0
+        for weight in order:
+            view = _typed_view(buffer, cursor, weight.dtype, weight.shape)
+            if weight.home == "cpu":
+                arena = self._arenas[weight.module]
+                last = runs[-1] if runs else None
+                follows = last and last[0] is arena and last[1] + last[3] == weight.host_offset
+                if follows and last[2] + last[3] == cursor:
+                    last[3] += aligned(weight.nbytes)
+                else:
+                    runs.append([arena, weight.host_offset, cursor, aligned(weight.nbytes)])
+            else:
+                self._copy_disk_weight(weight, view, stream)
+            weight.replica, weight.group = view, group
+            weight.replica_parameter = nn.Parameter(view, requires_grad=False)
+            cursor += aligned(weight.nbytes)
+        start = time.perf_counter()
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            for arena, host, offset, nbytes in runs:
+                buffer[offset : offset + nbytes].copy_(arena[host : host + nbytes], non_blocking=cuda)
+        seconds = time.perf_counter() - start
+        copied = [w for w in order if w.home == "cpu"]
+        total = sum(w.nbytes for w in copied) or 1
+        for weight in copied:
+            self._publish_transfer(weight, "h2d", seconds * weight.nbytes / total, stream)
+
+    def _copy_disk_weight(
+        self, weight: _Weight, view: torch.Tensor, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Re-read a disk-home weight into its replica (through a pinned staging buffer on CUDA)."""
+        host = self._read(weight, weight.source)
+        if weight.device.type != "cuda":
+            view.copy_(host)
+            return
+        start = time.perf_counter()
+        staged, slot = self._stage(weight, host)
+        with torch.cuda.stream(stream):
+            view.copy_(staged, non_blocking=True)
+            slot.event = torch.cuda.Event()
+            slot.event.record()
+        self._publish_transfer(weight, "h2d", time.perf_counter() - start, stream)
 
     def pin(self, keys: Iterable[str]) -> None:
         """Protect the keys' replicas from eviction (counted: pin twice, unpin twice)."""
@@ -295,11 +445,7 @@ class WeightStore:
                 reason="idle_workspace",
                 segment=None,
             )
-        candidates = [
-            w
-            for w in self._weights.values()
-            if w.replica is not None and w.pins == 0 and w.device == device and w.key not in protect
-        ]
+        candidates = [w for w in self._weights.values() if w.device == device and self._evictable(w, protect)]
         in_plan = sorted(
             (w for w in candidates if w.segment is not None), key=lambda w: (-w.segment, -w.order)
         )
@@ -310,24 +456,40 @@ class WeightStore:
             freed += self._evict(weight, reason)
         return freed
 
+    def release_keys(self, keys: Iterable[str], reason: str = "replan") -> int:
+        """Drop the unpinned replicas of `keys` (a new plan streams them); returns the bytes freed."""
+        weights = [self._weight(k) for k in keys]
+        return sum(self._evict(w, reason) for w in weights if self._evictable(w))
+
     def release_module(self, module: str) -> int:
         """Drop every unpinned replica of `module` (end of its phase); returns the bytes freed."""
         return sum(
             self._evict(w, "module_done")
             for w in list(self._weights.values())
-            if w.module == module and w.replica is not None and w.pins == 0
+            if w.module == module and self._evictable(w)
         )
 
     def bind_stage_weights(self, stage: Stage, tensors: Mapping[str, torch.Tensor]) -> None:
         """Make the tensors (from `acquire`) the parameters of the stage's modules."""
         for key in self.stage_keys(stage):
-            weight = self._weights[key]
             if key not in tensors:
                 raise WeightStoreError(f"no tensor given for {key!r} of stage {stage.name!r}")
-            bound = nn.Parameter(tensors[key], requires_grad=False)
+            self.bind_keys([key], tensors)
+
+    def bind_keys(self, keys: Iterable[str], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Bind the given device tensors (from `acquire`) in every place of each key; replicas stay bound."""
+        for key in keys:
+            weight = self._weights[key]
+            tensor = tensors[key]
+            if weight.home == "device" and tensor is weight.home_tensor:
+                parameter = weight.resting
+            elif weight.replica is tensor:
+                parameter = weight.replica_parameter
+                weight.bound = True
+            else:
+                parameter = nn.Parameter(tensor, requires_grad=False)
             for owner, attribute in weight.places:
-                owner._parameters[attribute] = bound
-            weight.bound = True
+                owner._parameters[attribute] = parameter
 
     def unbind_stage_weights(self, stage: Stage) -> None:
         """Put the stage's parameters back to their resting state (device home tensor, else meta)."""
@@ -355,27 +517,43 @@ class WeightStore:
         return nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
 
     def _rest(self, weight: _Weight) -> None:
-        resting = self._resting_parameter(weight)
+        self.generation += 1
         for owner, attribute in weight.places:
-            owner._parameters[attribute] = resting
+            owner._parameters[attribute] = weight.resting
         weight.bound = False
 
-    def _evict(self, weight: _Weight, reason: str) -> int:
-        if weight.bound:
-            self._rest(weight)
-        weight.replica = None
-        ledger = self.ledger(weight.device)
-        freed = ledger.release(weight.module, "weights", weight.key)
-        self.bus.publish(
-            "eviction",
-            device=ledger.device_name,
-            module=weight.module,
-            key=weight.key,
-            bytes=weight.nbytes,
-            allocation="weights",
-            reason=reason,
-            segment=weight.segment,
+    def _members(self, weight: _Weight) -> list[_Weight]:
+        return weight.group.members if weight.group is not None else [weight]
+
+    def _evictable(self, weight: _Weight, protect: Collection[str] = ()) -> bool:
+        """An unpinned, unprotected replica whose buffer-mates are unpinned and unprotected too."""
+        return weight.replica is not None and not any(
+            m.pins or m.key in protect for m in self._members(weight)
         )
+
+    def _evict(self, weight: _Weight, reason: str) -> int:
+        """Drop the replica of `weight` and of every weight sharing its buffer; returns the bytes freed."""
+        if weight.replica is None:
+            return 0
+        freed = 0
+        others = sorted((m for m in self._members(weight) if m is not weight), key=lambda m: -m.order)
+        for member in [weight, *others]:
+            self.generation += 1
+            if member.bound:
+                self._rest(member)
+            member.replica = member.replica_parameter = member.group = None
+            ledger = self.ledger(member.device)
+            freed += ledger.release(member.module, "weights", member.key)
+            self.bus.publish(
+                "eviction",
+                device=ledger.device_name,
+                module=member.module,
+                key=member.key,
+                bytes=member.nbytes,
+                allocation="weights",
+                reason=reason,
+                segment=member.segment,
+            )
         return freed
 
     def _read(self, weight: _Weight, source: Source) -> torch.Tensor:
@@ -394,25 +572,6 @@ class WeightStore:
         if weight.home == "disk":
             self._publish_transfer(weight, "disk2h", time.perf_counter() - start, None)
         return tensor
-
-    def _copy_in(self, weight: _Weight, stream: torch.cuda.Stream | None) -> torch.Tensor:
-        """A new compute-device replica of a cpu or disk weight."""
-        host = weight.home_tensor if weight.home == "cpu" else self._read(weight, weight.source)
-        start = time.perf_counter()
-        if weight.device.type != "cuda":
-            replica = host.clone() if weight.home == "cpu" else host.contiguous()
-            if weight.home == "cpu":
-                self._publish_transfer(weight, "h2d", time.perf_counter() - start, None)
-            return replica
-        staging = self._stage(weight, host) if weight.home == "disk" else None
-        with torch.cuda.stream(stream):  # a no-op context when stream is None
-            replica = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-            replica.copy_(staging[0] if staging else host, non_blocking=True)
-            if staging:
-                staging[1].event = torch.cuda.Event()
-                staging[1].event.record()
-        self._publish_transfer(weight, "h2d", time.perf_counter() - start, stream)
-        return replica
 
     def _stage(self, weight: _Weight, host: torch.Tensor) -> tuple[torch.Tensor, _Staging]:
         """Copy `host` into one of two reusable pinned buffers, waiting until its previous copy finished."""
@@ -442,3 +601,9 @@ class WeightStore:
             seconds=seconds,
             stream=None if stream is None else str(stream),
         )
+
+
+def _typed_view(buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A `dtype` tensor of `shape` over bytes [offset, offset + its size) of the uint8 `buffer`."""
+    nbytes = shape.numel() * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(shape)

@@ -1,0 +1,178 @@
+"""Segment plans: which stages keep their weights resident and which stream them, within a capacity.
+
+A module whose weights and workspace fit the capacity runs as one segment with every weight resident.
+Otherwise each stage gets a role (reference/001 "graph-cut segments", edge-dit's streamed blocks):
+
+- resident: its weights are copied once and stay on the device across calls (a replica in the store);
+- streamed: its weights are copied, for every call, into a ring buffer of `ring_bytes` that streamed
+  segments share in order, and dropped after the segment computes.
+
+The ring holds at least two of the largest stages, and up to a quarter of the room (at most RING_TARGET);
+with room for two streamed segments the copy of the next segments overlaps the current one's compute
+(double buffering and deeper). Resident bytes = capacity - workspace - ring, so the bytes streamed
+per call are the weights - that, the least any plan can stream plus the ring. Which stages stream is chosen
+so that streamed bytes are spread over the call in proportion to the stages' compute time (measured on
+the first call of an input shape; uniform before): the copy engine then runs beside compute from the
+first stage to the last instead of stalling compute where streamed stages cluster.
+
+Consecutive stages of one role form a segment; streamed runs are cut into chunks of at most a third of the
+ring (at least the largest stage), so that the copies of the following chunks fit beside the one computing.
+Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
+copy may start only after their compute has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+from engine.memory.ledger import MIB, BudgetExceeded
+from engine.memory.weight_store import aligned
+from engine.models.staged import Stage
+
+RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms of copies at 55 GB/s
+
+
+@dataclass(frozen=True)
+class Segment:
+    index: int
+    start: int  # first stage index
+    stop: int  # one past the last stage index
+    keys: tuple[str, ...]  # weights the segment reads
+    weight_bytes: int  # all its weights
+    cost_bytes: int  # weights it brings to the device (not resident for good) + workspace
+    streamed: bool = False  # weights copied into the stream ring for each call
+    ring_offset: int = 0  # streamed: byte offset of its weights in the ring
+    ring_bytes: int = 0  # streamed: bytes of the ring it occupies (each weight aligned)
+    waits: tuple[int, ...] = ()  # streamed: earlier segments whose ring bytes it overwrites
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    segments: tuple[Segment, ...]
+    workspace_bytes: int  # workspace estimate the plan was made with
+    capacity_bytes: int  # what was available to the module when planned
+    whole: bool  # the whole module fits: one segment, weights left resident
+    ring_bytes: int = 0  # stream ring size (0 when nothing streams)
+    resident_bytes: int = 0  # weights of resident segments that are not resident for good
+
+
+def plan_segments(
+    stages: Sequence[Stage],
+    stage_weight_bytes: Sequence[Mapping[str, int]],
+    workspace_estimate: int,
+    budget_available: int,
+    resident_keys: Collection[str] = (),
+    stage_seconds: Sequence[float] | None = None,
+    overlap: bool = True,
+    ring_target: int = RING_TARGET,
+) -> SegmentPlan:
+    """Plan `stages` so that resident weights + stream ring + workspace <= budget_available.
+
+    `stage_weight_bytes[i]` maps the keys stage i reads to their bytes; `resident_keys` are weights that
+    stay on the device anyway (they cost nothing). `stage_seconds` weighs where streamed bytes go (uniform
+    when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute. A stage
+    that cannot fit alone raises BudgetExceeded.
+    """
+    if len(stage_weight_bytes) != len(stages):
+        raise ValueError(f"{len(stages)} stages but {len(stage_weight_bytes)} weight maps")
+    resident = set(resident_keys)
+    needs = [{k: n for k, n in weights.items() if k not in resident} for weights in stage_weight_bytes]
+    everything = {k: n for weights in stage_weight_bytes for k, n in weights.items()}
+    brought = sum(n for k, n in everything.items() if k not in resident)
+    if brought + workspace_estimate <= budget_available:
+        whole = Segment(0, 0, len(stages), tuple(everything), sum(everything.values()),
+                        brought + workspace_estimate)
+        return SegmentPlan((whole,), workspace_estimate, budget_available, True, 0, brought)
+
+    room = budget_available - workspace_estimate
+    ring_sizes = [sum(aligned(n) for n in need.values()) for need in needs]
+    for index, (stage, size) in enumerate(zip(stages, ring_sizes, strict=True)):
+        if size > room:
+            raise BudgetExceeded(
+                f"stage {stage.name!r} (index {index}) cannot fit on its own: {size} bytes of "
+                f"weights + {workspace_estimate} bytes of workspace > {budget_available} bytes "
+                f"available; raise --max-vram or free device memory"
+            )
+    largest = max(ring_sizes)
+    if overlap and room >= 2 * largest:
+        ring = min(room, max(2 * largest, min(ring_target, room // 4)))
+        chunk = max(largest, ring // 3)
+    else:
+        ring = min(room, max(largest, min(ring_target, room // 4) // 2))
+        chunk = ring
+    streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds)
+    segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate)
+    segments = _place_in_ring(segments, ring)
+    resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
+    return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes)
+
+
+def _streamed_stages(sizes: Sequence[int], resident_room: int, seconds: Sequence[float] | None) -> list[bool]:
+    """Which stages stream: resident while the room lasts, streamed bytes keeping pace with compute time."""
+    times = list(seconds) if seconds is not None and len(seconds) == len(sizes) else [1.0] * len(sizes)
+    if sum(times) <= 0:
+        times = [1.0] * len(sizes)
+    to_stream = max(0, sum(sizes) - resident_room)
+    total_time, elapsed, streamed_bytes, resident_bytes = sum(times), 0.0, 0, 0
+    roles = []
+    for size, time in zip(sizes, times, strict=True):
+        elapsed += time
+        fits = resident_bytes + size <= resident_room
+        keep_pace = streamed_bytes + size <= to_stream * elapsed / total_time
+        stream = size > 0 and (not fits or keep_pace)
+        roles.append(stream)
+        if stream:
+            streamed_bytes += size
+        else:
+            resident_bytes += size
+    return roles
+
+
+def _segments(
+    stages: Sequence[Stage],
+    needs: Sequence[Mapping[str, int]],
+    weights: Sequence[Mapping[str, int]],
+    ring_sizes: Sequence[int],
+    streamed: Sequence[bool],
+    chunk: int,
+    workspace: int,
+) -> list[Segment]:
+    """Consecutive stages of one role as segments; streamed runs cut into chunks of at most `chunk`."""
+    bounds: list[tuple[int, int, bool]] = []
+    start = 0
+    for index in range(1, len(stages) + 1):
+        if index < len(stages) and streamed[index] == streamed[start]:
+            if not streamed[start] or sum(ring_sizes[start : index + 1]) <= chunk:
+                continue
+        bounds.append((start, index, streamed[start]))
+        start = index
+    segments = []
+    for number, (first, stop, is_streamed) in enumerate(bounds):
+        keys = {k: n for i in range(first, stop) for k, n in weights[i].items()}
+        brought = {k: n for i in range(first, stop) for k, n in needs[i].items()}
+        segments.append(Segment(number, first, stop, tuple(keys), sum(keys.values()),
+                                sum(brought.values()) + workspace, is_streamed and bool(brought),
+                                ring_bytes=sum(aligned(n) for n in brought.values()) if is_streamed else 0))
+    return segments
+
+
+def _place_in_ring(segments: list[Segment], ring: int) -> list[Segment]:
+    """Lay the streamed segments out one after another in the ring, wrapping to 0 when one does not fit at
+    the end; each records the earlier segments it overwrites."""
+    placed: list[tuple[int, int, int]] = []  # (start, end, segment index) of earlier streamed segments
+    cursor = 0
+    out = []
+    for segment in segments:
+        if not segment.streamed:
+            out.append(segment)
+            continue
+        if cursor + segment.ring_bytes > ring:
+            cursor = 0
+        end = cursor + segment.ring_bytes
+        waits = tuple(index for start, stop, index in placed if start < end and cursor < stop)
+        placed = [p for p in placed if not (p[0] >= cursor and p[1] <= end)] + [(cursor, end, segment.index)]
+        out.append(Segment(segment.index, segment.start, segment.stop, segment.keys, segment.weight_bytes,
+                           segment.cost_bytes, True, cursor, segment.ring_bytes, waits))
+        cursor = end
+    return out
