@@ -173,7 +173,7 @@ def node_targets(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, 
                     homes[module] = plan.choice(f"{ctx.node_id}/{module}").params
                 except KeyError:
                     homes[module] = "device"
-    return {m: r.compute for m, r in resolved.items()}, homes
+    return {m: "&".join(r.devices) for m, r in resolved.items()}, homes  # "cuda0&cuda1": a split module
 
 
 def _missing(name: str, component: str, kind: str) -> MissingComponent:

@@ -9,13 +9,24 @@ its device are released if the module would otherwise have to be cut into segmen
 copies make room for the diffusion model after the conditioning phase).
 
 Each module has its own `WeightStore` over the shared per-device ledgers, so dropping a module (its bundle
-was garbage-collected) frees exactly its weights. `snapshot()` is what the GUI memory panel polls at about
-30 Hz: it reads counters under short locks and never queries a driver.
+was garbage-collected) frees exactly its weights.
+
+A module computed on several devices (reference/000, `diffusion=cuda0&cuda1`) is split. Layer split: its
+stages are laid out in contiguous ranges over the devices (layer_split.py), each device's part has its own
+store and runner (without segmentation or prefetch, as reference/000 says), and `run` runs each range on its
+device, copying the state at the boundaries. Row split: its block linears are sharded by rows over the
+devices (row_split.py) and the rest of the model runs on the main device as usual. A model without stages
+(layer) or block linears (row) falls back to its first device with a warning. A module on several devices
+uses flash attention only when every one of its devices selects it.
+
+`snapshot()` is what the GUI memory panel polls at about 30 Hz: it reads counters under short locks and never
+queries a driver.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -28,17 +39,29 @@ import torch
 from torch import nn
 
 from engine import telemetry
-from engine.devices import ComputeDevice, list_devices, resolve_device
+from engine.devices import ComputeDevice, device_name, list_devices, resolve_device
 from engine.memory.attention_probe import attention_backends, flash_attention_enabled
+from engine.memory.layer_split import (
+    NoLayerSplit,
+    SplitViews,
+    move_state,
+    part_view,
+    plan_layer_split,
+    split_capacity,
+)
 from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, live_free_memory, resolve_budget
+from engine.memory.row_split import block_linears, shard_transformer_linears
 from engine.memory.segments import SegmentRunner
 from engine.memory.weight_store import HOMES, Source, WeightStore
 from engine.models.staged import Stage, State
 from engine.placement import (
     FLASH_ATTN_MODULES,
+    LAYER_SPLIT_MODULES,
     MODES,
+    SPLIT_MODES,
     MemorySettings,
     PlacementError,
+    canonical_module,
     max_vram_for,
     parse_modes,
     placement_for,
@@ -54,22 +77,49 @@ class ResolvedPlacement:
     """One module's placement after CLI > node > workflow file > defaults."""
 
     module: str  # diffusion, te, vae
-    compute: str  # compute device name
+    compute: str  # main compute device name
     params: str | None  # device, cpu, disk or another device's name; None = auto-fit decides
     settings: MemorySettings  # the merged settings the placement came from
+    devices: tuple[str, ...] = ()  # every compute device, main first (set to (compute,) when not given)
+    split_mode: str = "layer"  # layer or row; matters only with several devices
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            object.__setattr__(self, "devices", (self.compute,))
+
+
+@dataclass
+class _Part:
+    """What one device holds of a module: a store and runner (one part per module unless layer split)."""
+
+    device: ComputeDevice
+    store: WeightStore
+    runner: SegmentRunner
+    keys: list[str]
+    stages: list[tuple[str, str]] | None = None  # layer split: (first, last) stage name of each range
+    logged: set[tuple[int, int]] = dataclasses.field(default_factory=set)  # (workspace, segments) logged
 
 
 @dataclass
 class _Module:
     name: str  # store module name: diffusion, te, te#2, vae, ...
     kind: str  # diffusion, te, vae, ...
-    device: ComputeDevice
+    device: ComputeDevice  # the main compute device
     home: str  # device, cpu or disk
-    store: WeightStore
-    runner: SegmentRunner
-    keys: list[str]
+    parts: list[_Part]  # in device order (the main device's first, unless it holds no stage)
     aliases: dict[tuple[str, ...], nn.Module]  # root-parameter views (see _expose_root_parameters)
-    summary: tuple[int, int] | None = None  # (workspace bytes, segments) of the last logged run
+    split: str | None = None  # "layer" or "row" when the module computes on several devices
+    devices: tuple[ComputeDevice, ...] = ()  # every compute device, the main one first
+    shards: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)  # row: (device, key, bytes)
+    views: SplitViews = dataclasses.field(default_factory=SplitViews)  # layer split
+
+    @property
+    def store(self) -> WeightStore:
+        return self.parts[0].store
+
+    @property
+    def runner(self) -> SegmentRunner:
+        return self.parts[0].runner
 
 
 @dataclass(frozen=True)
@@ -112,6 +162,7 @@ class MemoryRuntime:
         self.published_plan: str | None = None  # the last auto-fit plan announced (printed once)
         self._own_ledgers: set[str] = set()
         self._modules: dict[str, _Module] = {}
+        self._split_modes: dict[str, str] = {}  # module -> split mode of its last resolved placement
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- configuration
@@ -128,6 +179,8 @@ class MemoryRuntime:
                     max_vram_for(device, settings.max_vram, self.devices), device, ledger.free_memory_fn
                 )
             for module in self._modules.values():
+                if module.split == "layer":
+                    continue  # split parts never segment or prefetch (reference/000)
                 module.runner.prefetch = settings.prefetch and module.device.torch_device.type == "cuda"
                 module.runner.segmented = settings.segmented
 
@@ -158,10 +211,9 @@ class MemoryRuntime:
             backend = f"{backend},{module}={node_backend.strip()}"
         settings = settings_from_namespace(flags, dataclasses.replace(workflow, backend=backend))
         placement = placement_for(module, settings, self.devices)
-        if len(placement.compute) > 1:
-            log.warning("%s: multi-device (%s) execution is not implemented yet; computing on %s", module,
-                        "&".join(placement.compute), placement.compute[0])
-        compute = self.device(placement.compute[0])
+        devices = tuple(self.device(name).name for name in placement.compute)
+        compute = self.device(devices[0])
+        self._split_modes[placement.module] = placement.split_mode
         cli_params = self.overrides.get("params_backend") or any(
             self.overrides.get(flag) for flag in ("offload_to_cpu", "dit_offload", "text_encoder_offload",
                                                   "vae_offload"))
@@ -172,7 +224,16 @@ class MemoryRuntime:
             params = "device" if unified else params_choice
         else:
             params = None if settings.auto_fit else "device"
-        return ResolvedPlacement(placement.module, compute.name, params, settings)
+        return ResolvedPlacement(placement.module, compute.name, params, settings, devices,
+                                 placement.split_mode)
+
+    def split_mode(self, module: str) -> str:
+        """The split mode (layer or row) of `module`'s last resolved placement, else of the settings."""
+        module = canonical_module(module)
+        if module in self._split_modes:
+            return self._split_modes[module]
+        modes = parse_modes(self.settings.split_mode, "--split-mode", SPLIT_MODES, LAYER_SPLIT_MODULES)
+        return modes.get(module, modes.get("*", "layer")) if module in LAYER_SPLIT_MODULES else "layer"
 
     def device(self, name: str) -> ComputeDevice:
         return resolve_device(name, self.devices)
@@ -192,41 +253,142 @@ class MemoryRuntime:
 
     # ---------------------------------------------------------------- modules
 
-    def register(self, kind: str, model: nn.Module, home: str, device_name: str, source: Source) -> str:
-        """Give `model`'s parameters their home (read from `source` now unless disk); returns its name."""
+    def register(
+        self,
+        kind: str,
+        model: nn.Module,
+        home: str,
+        device_name: str,
+        source: Source,
+        devices: Sequence[str] | None = None,
+        split_mode: str = "layer",
+    ) -> str:
+        """Give `model`'s parameters their home (read from `source` now unless disk); returns its name.
+
+        `devices` lists every compute device, `device_name` (the main one) first; with several, the model is
+        split over them by `split_mode` (layer or row).
+        """
         if home not in HOMES:
             raise ValueError(f"unknown weight home {home!r}; accepted: {', '.join(HOMES)}")
-        device = self.device(device_name)
+        if split_mode not in SPLIT_MODES:
+            raise ValueError(f"unknown split mode {split_mode!r}; accepted: {', '.join(SPLIT_MODES)}")
+        main = self.device(device_name)
+        listed = [self.device(n) for n in devices] if devices else [main]
+        if listed[0].name != main.name or len({d.name for d in listed}) != len(listed):
+            raise ValueError(f"devices {'&'.join(d.name for d in listed)} must list {main.name} first and "
+                             f"each device once")
         with self._lock:
             name, count = kind, 1
             while name in self._modules:
                 count += 1
                 name = f"{kind}#{count}"
-            ledger = self.ledger(device.name)
-            store = WeightStore({device.name: ledger}, bus=self.bus)
             aliases = _expose_root_parameters(model)
-            keys = store.register_model(name, model, home, device.torch_device, source)
-            runner = SegmentRunner(
-                store,
-                ledger,
-                device.torch_device,
-                prefetch=self.settings.prefetch,
-                segmented=self.settings.segmented,
-                bus=self.bus,
-            )
-            self._modules[name] = _Module(name, kind, device, home, store, runner, keys, aliases)
+            entry = _Module(name, kind, main, home, [], aliases)
+            if len(listed) > 1 and split_mode == "layer":
+                self._register_layer_split(entry, model, home, listed, source)
+            elif len(listed) > 1:
+                self._register_row_split(entry, model, home, listed, source)
+            if not entry.parts:
+                entry.parts.append(self._register_part(name, model, home, main, source, split=False))
+                entry.devices = (main,)
+            self._modules[name] = entry
+        weight_bytes = sum(p.store.nbytes(k) for p in entry.parts for k in p.keys) + self._shard_bytes(entry)
         self.bus.publish(
             "placement",
             module=name,
             component=kind,
-            device=device.name,
+            device=main.name,
             params=home,
-            weight_bytes=sum(store.nbytes(k) for k in keys),
+            weight_bytes=weight_bytes,
             source="load",
+            devices=[d.name for d in entry.devices],
+            split=entry.split,
         )
-        log.info("%s: computes on %s, weights %s (%.1f MiB)", name, device.name, home,
-                 sum(store.nbytes(k) for k in keys) / MIB)
+        log.info("%s: computes on %s%s, weights %s (%.1f MiB)", name, "&".join(d.name for d in entry.devices),
+                 f" ({entry.split} split)" if entry.split else "", home, weight_bytes / MIB)
         return name
+
+    def _register_part(
+        self, name: str, model: nn.Module, home: str, device: ComputeDevice, source: Source, split: bool
+    ) -> _Part:
+        """One store and runner on `device` for `model` (a whole model, or a layer-split part's view)."""
+        ledger = self.ledger(device.name)
+        # keyed by the torch device's name, which the store looks up (tests give fake names the CPU)
+        store = WeightStore({device_name(device.torch_device): ledger}, bus=self.bus)
+        with _current(device):
+            keys = store.register_model(name, model, home, device.torch_device, source)
+        runner = SegmentRunner(
+            store,
+            ledger,
+            device.torch_device,
+            prefetch=self.settings.prefetch and not split,
+            segmented=self.settings.segmented and not split,
+            bus=self.bus,
+        )
+        return _Part(device, store, runner, keys)
+
+    def _register_layer_split(
+        self, entry: _Module, model: nn.Module, home: str, devices: list[ComputeDevice], source: Source
+    ) -> None:
+        """Contiguous stage ranges per device in proportion to their capacity; a view registered per part."""
+        names = [d.name for d in devices]
+        try:
+            if not hasattr(model, "stages"):
+                raise NoLayerSplit("it is not a staged model")
+            stages = _with_aliases(model.stages(), entry.aliases)
+            capacities = [split_capacity(self.ledger(name).available()) for name in names]
+            plan = plan_layer_split(model, stages, capacities, names)
+        except NoLayerSplit as reason:
+            log.warning("%s: no layer split over %s: %s; computing on %s", entry.name, "&".join(names),
+                        reason, names[0])
+            return
+        try:
+            for device in sorted(plan.owners):
+                view, nodes = part_view(model, plan.owners[device])
+                part = self._register_part(entry.name, view, home, devices[device], source, split=True)
+                part.stages = plan.ranges(stages, device)
+                entry.parts.append(part)
+                entry.views.add(nodes, len(entry.parts) - 1)
+        except BaseException:
+            for part in entry.parts:
+                self._drop_part(entry.name, part)
+            entry.parts.clear()
+            raise
+        entry.split, entry.devices = "layer", tuple(devices)
+
+    def _register_row_split(
+        self, entry: _Module, model: nn.Module, home: str, devices: list[ComputeDevice], source: Source
+    ) -> None:
+        """Block linears sharded by rows over `devices` (resident there); the rest on the main device."""
+        if not block_linears(model):
+            log.warning("%s: no transformer-block linears to split by rows; computing on %s", entry.name,
+                        devices[0].name)
+            return
+        capacities = [split_capacity(self.ledger(d.name).available()) for d in devices]
+        fractions = capacities if sum(capacities) > 0 else [1] * len(devices)
+
+        def reserve(index: int, shard: str, nbytes: int) -> None:
+            key = f"{entry.name}/{shard}"
+            self.ledger(devices[index].name).allocate(entry.name, "weights", key, nbytes)
+            entry.shards.append((devices[index].name, key, nbytes))
+
+        try:
+            shard_transformer_linears(model, [d.torch_device for d in devices], fractions, source, reserve)
+            entry.parts.append(self._register_part(entry.name, model, home, devices[0], source, split=False))
+        except BaseException:
+            self._drop_shards(entry)
+            raise
+        entry.split, entry.devices = "row", tuple(devices)
+
+    def _drop_shards(self, entry: _Module) -> None:
+        for device, key, _ in entry.shards:
+            self.ledger(device).release(entry.name, "weights", key)
+        entry.shards.clear()
+
+    @staticmethod
+    def _shard_bytes(entry: _Module, device: str | None = None) -> int:
+        """Bytes of the module's row-split weight slices (on `device` only, when given)."""
+        return sum(nbytes for name, _, nbytes in entry.shards if device is None or name == device)
 
     def unregister(self, name: str) -> None:
         """Forget a module: its replicas and device-home weights leave the ledger."""
@@ -234,9 +396,14 @@ class MemoryRuntime:
             module = self._modules.pop(name, None)
         if module is None:
             return
-        module.store.release_module(name)
-        ledger = module.runner.ledger
-        for key in module.keys:
+        for part in module.parts:
+            self._drop_part(name, part)
+        self._drop_shards(module)
+
+    def _drop_part(self, name: str, part: _Part) -> None:
+        part.store.release_module(name)
+        ledger = part.runner.ledger
+        for key in part.keys:
             ledger.release(name, "weights", key)
         ledger.release(name, "workspace", "segments")
 
@@ -258,85 +425,129 @@ class MemoryRuntime:
     # ---------------------------------------------------------------- running
 
     def run(self, name: str, model: nn.Module, stages: Sequence[Stage], state: State) -> State:
-        """Run `stages` of module `name` on `state` through its segment runner; returns the final state."""
+        """Run `stages` of module `name` on `state` through its segment runner(s); returns the final state
+        (on the main device when the module is layer-split)."""
         module = self._module(name)
         stages = _with_aliases(stages, module.aliases)
-        self._make_room(module, stages)
         with attention_backends(self._flash_attention(module, model)):
+            if module.split != "layer":
+                state = self._run_part(module, module.parts[0], stages, state)
+            else:
+                for part_index, run in module.views.ranges(stages):
+                    part = module.parts[part_index]
+                    state = self._run_part(module, part, run, move_state(state, part.device.torch_device))
+                state = move_state(state, module.device.torch_device)
+        return state
+
+    def _run_part(self, module: _Module, part: _Part, stages: Sequence[Stage], state: State) -> State:
+        self._make_room(module, part, stages)
+        with _current(part.device):
             try:
-                state = module.runner.run(stages, state, name)
+                state = part.runner.run(stages, state, module.name)
             except BudgetExceeded:
-                if not self._release_others(module):
+                if not self._release_others(module, part):
                     raise
-                state = module.runner.run(stages, state, name)
-        self._log_summary(module)
+                state = part.runner.run(stages, state, module.name)
+        self._log_summary(module, part)
         return state
 
     def _flash_attention(self, module: _Module, model: nn.Module) -> bool:
-        """--flash-attn for the module's kind (auto: probed once per device, attention_probe.py)."""
+        """--flash-attn for the module's kind (auto: probed once per device, attention_probe.py); a module on
+        several devices uses it only when every one of them selects it (reference/000)."""
         if module.kind not in FLASH_ATTN_MODULES:
             return True
         modes = parse_modes(self.settings.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
         mode = modes.get(module.kind, modes.get("*", "auto"))
         dtype = next(model.parameters()).dtype
-        return flash_attention_enabled(module.device.torch_device, mode, dtype)
+        return all(flash_attention_enabled(device.torch_device, mode, dtype) for device in module.devices)
 
     def release(self, name: str) -> int:
         """Drop module `name`'s unpinned device replicas; returns the bytes freed."""
-        return self._module(name).store.release_module(name)
+        return sum(part.store.release_module(name) for part in self._module(name).parts)
 
-    def _make_room(self, module: _Module, stages: Sequence[Stage]) -> None:
-        """Release other modules' replicas on the device when this module would not fit whole otherwise."""
-        store, runner = module.store, module.runner
+    def _make_room(self, module: _Module, part: _Part, stages: Sequence[Stage]) -> None:
+        """Release other modules' replicas on the part's device when the part would not fit otherwise."""
+        store, runner = part.store, part.runner
         keys = {k for stage in stages for k in store.stage_keys(stage)}
         missing = sum(store.nbytes(k) for k in keys if not store.is_resident(k))
-        capacity = runner.ledger.available() + store.evictable_bytes(module.device.torch_device)
+        capacity = runner.ledger.available() + store.evictable_bytes(part.device.torch_device)
         if missing and missing > capacity:
-            self._release_others(module)
+            self._release_others(module, part)
 
-    def _release_others(self, module: _Module) -> int:
+    def _release_others(self, module: _Module, part: _Part) -> int:
         with self._lock:
-            others = [m for m in self._modules.values() if m is not module and m.device == module.device]
-        freed = sum(m.store.release_module(m.name) for m in others)
+            others = [(m, p) for m in self._modules.values() if m is not module
+                      for p in m.parts if p.device == part.device]
+        freed = sum(p.store.release_module(m.name) for m, p in others)
         if freed:
             log.info("%s: released %.1f MiB of other modules' device copies on %s", module.name,
-                     freed / MIB, module.device.name)
+                     freed / MIB, part.device.name)
         return freed
 
-    def _log_summary(self, module: _Module) -> None:
+    def _log_summary(self, module: _Module, part: _Part) -> None:
         """reference/001's compute-buffer line, when the workspace or the segment count changes."""
-        plan = module.runner.plan
+        plan = part.runner.plan
         if plan is None:
             return
         summary = (plan.workspace_bytes, len(plan.segments))
-        if summary == module.summary:
+        if summary in part.logged:
             return
-        module.summary = summary
-        memory = "RAM" if module.device.kind == "cpu" else "VRAM"
+        part.logged.add(summary)
+        memory = "RAM" if part.device.kind == "cpu" else "VRAM"
         segments = f"{len(plan.segments)} segment" + ("s" if len(plan.segments) != 1 else "")
         log.info("%s compute buffer size: %.2f MB(%s) on %s (peak across %s)", module.name,
-                 plan.workspace_bytes / MIB, memory, module.device.name, segments)
+                 plan.workspace_bytes / MIB, memory, part.device.name, segments)
 
     # ---------------------------------------------------------------- telemetry
 
     def snapshot(self) -> dict:
-        """Per device: budget, free, weights and workspace per module; per module: placement and plan."""
+        """Per device: budget, free, weights and workspace per module; per module: placement, plan, and each
+        part (device, its stages or row slices, weights and plan)."""
         with self._lock:
             ledgers = list(self.ledgers.values())
             modules = list(self._modules.values())
         return {
             "devices": {ledger.device_name: ledger.snapshot() for ledger in ledgers},
-            "modules": {
-                m.name: {
-                    "kind": m.kind,
-                    "device": m.device.name,
-                    "params": m.home,
-                    "weights": m.store.snapshot().get(m.name, {}),
-                    "plan": m.runner.snapshot(),
-                }
-                for m in modules
-            },
+            "modules": {m.name: self._module_snapshot(m) for m in modules},
         }
+
+    def _module_snapshot(self, module: _Module) -> dict:
+        empty = {"device_home": 0, "replica": 0, "pinned": 0, "offloaded": 0}
+        parts: list[dict] = [
+            {
+                "device": part.device.name,
+                "stages": part.stages,
+                "weights": part.store.snapshot().get(module.name, dict(empty)),
+                "plan": part.runner.snapshot(),
+            }
+            for part in module.parts
+        ]
+        if module.split == "row":
+            parts[0]["row_slices"] = self._shard_bytes(module, module.device.name)
+            parts += [{"device": d.name, "stages": None, "row_slices": self._shard_bytes(module, d.name)}
+                      for d in module.devices[1:]]
+        weights = dict(empty)
+        for part in parts:
+            for key, nbytes in part.get("weights", {}).items():
+                weights[key] = weights.get(key, 0) + nbytes
+        weights["device_home"] += self._shard_bytes(module)
+        return {
+            "kind": module.kind,
+            "device": module.device.name,
+            "devices": [d.name for d in module.devices],
+            "split": module.split,
+            "params": module.home,
+            "weights": weights,
+            "plan": module.runner.snapshot(),
+            "parts": parts,
+        }
+
+
+def _current(device: ComputeDevice) -> contextlib.AbstractContextManager:
+    """`device` as torch's current CUDA device (streams and events without a device are its own)."""
+    if device.torch_device.type == "cuda":
+        return torch.cuda.device(device.torch_device)
+    return contextlib.nullcontext()
 
 
 def _process_part(settings: MemorySettings) -> tuple:
@@ -413,3 +624,4 @@ def set_runtime(runtime: MemoryRuntime | None) -> MemoryRuntime | None:
 def torch_device(name: str) -> torch.device:
     """The torch device of a Sluice device name."""
     return resolve_device(name).torch_device
+

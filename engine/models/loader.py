@@ -45,6 +45,7 @@ from engine.models.formats import CheckpointError, CheckpointReader, open_checkp
 from engine.models.unet import UNetModel
 from engine.models.vae import AutoencoderKL
 from engine.models.weights import bind_weights
+from engine.placement import LAYER_SPLIT_MODULES
 from engine.sampling.model_sampling import EpsPrediction, VPrediction
 
 COMPONENTS = ("diffusion", "te", "vae")
@@ -142,9 +143,12 @@ class _Target:
     device: ComputeDevice
     home: str = "device"  # device, cpu or disk (reference/000 parameter residency)
     runtime: MemoryRuntime | None = None
+    devices: tuple[str, ...] = ()  # every compute device (main first) of a split module; () = one device
+    split_mode: str = "layer"  # layer or row, with several devices
 
     def cache_key(self) -> tuple:
-        return (self.device.name, self.home, None if self.runtime is None else id(self.runtime))
+        return (self.device.name, self.home, None if self.runtime is None else id(self.runtime), self.devices,
+                self.split_mode)
 
 
 def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots: set[str], dtype: torch.dtype,
@@ -160,7 +164,8 @@ def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots:
     def source(name: str) -> torch.Tensor:
         return source_reader.get(prefix + name)
 
-    return target.runtime.register(kind, model, target.home, target.device.name, source)
+    return target.runtime.register(kind, model, target.home, target.device.name, source,
+                                   target.devices or None, target.split_mode)
 
 
 def _memory(target: _Target, kind: str, names: Sequence[str | None], models: Sequence[torch.nn.Module],
@@ -232,12 +237,19 @@ def _detect(reader: CheckpointReader) -> ModelInfo:
 
 def _targets(components: Sequence[str], device: PerComponent, params: PerComponent,
              runtime: MemoryRuntime | None) -> dict[str, _Target]:
-    """Each component's compute device and weight home; a params home on another GPU is kept in RAM."""
+    """Each component's compute device(s) (`cuda0&cuda1`: split, with the runtime's split mode) and weight
+    home; a params home on another GPU is kept in RAM."""
     targets = {}
     for component in components:
         device_name = device if isinstance(device, str) else device.get(component, "auto")
         home = params if isinstance(params, str) else params.get(component, "device")
-        compute = resolve_device(device_name)
+        names = [name.strip() for name in device_name.split("&")]
+        compute = resolve_device(names[0])
+        split = tuple(resolve_device(name).name for name in names) if len(names) > 1 else ()
+        if split and (runtime is None or component not in LAYER_SPLIT_MODULES):
+            raise ValueError(f"{component}: computing on several devices ({device_name!r}) needs the memory "
+                             f"runtime and is for {', '.join(LAYER_SPLIT_MODULES)} only")
+        split_mode = runtime.split_mode(component) if split else "layer"
         if home not in HOMES:
             other = resolve_device(home)
             if other.name == compute.name:
@@ -248,7 +260,7 @@ def _targets(components: Sequence[str], device: PerComponent, params: PerCompone
                 home = "cpu"
         if runtime is None and home != "device":
             raise ValueError(f"{component}: parameters at {home!r} need the memory runtime; pass runtime=")
-        targets[component] = _Target(compute, home, runtime)
+        targets[component] = _Target(compute, home, runtime, split, split_mode)
     return targets
 
 
