@@ -8,8 +8,10 @@ weights in pinned RAM under budgets from the smallest feasible (the largest stag
 everything resident; in the same run diffusers' UNet resident and with `enable_group_offload` (block_level
 and leaf_level, use_stream=True) when diffusers is importable and the device is CUDA. Each row: median step
 time (CUDA events) of --steps after --warmup, peak `torch.cuda.max_memory_allocated` (on a CPU the ledger's
-tracked peak instead), and bytes copied per step. The physical line is max(resident step time, streamed
-bytes / measured pinned copy bandwidth) (reference/001 "What this says"). Writes a table, a CSV, a JSON
+tracked peak instead), peak `max_memory_reserved`, and bytes copied per step. The physical line is
+max(resident step time, bytes that cannot stay resident / measured pinned copy bandwidth), where the bytes
+that cannot stay resident are all weights + workspace - budget (ANCHORS.md "What this says"); the last
+column is the step time over it. Writes a table, a CSV, a JSON
 and a PNG (matplotlib if available, else Pillow) to bench/results/.
 """
 
@@ -51,7 +53,12 @@ class Row:
     peak_gib: float | None
     copied_gib_per_step: float
     segments: int | None
-    physical_ms: float | None = None  # max(resident step time, copied bytes / pinned bandwidth)
+    physical_ms: float | None = None  # max(resident step time, bytes that cannot stay resident / bandwidth)
+    reserved_gib: float | None = None  # peak torch.cuda.max_memory_reserved (the caching allocator's pool)
+
+    @property
+    def over_physical(self) -> float | None:
+        return None if self.step_ms is None or not self.physical_ms else self.step_ms / self.physical_ms
 
 
 def tiny_config(adm: int | None) -> UNetConfig:
@@ -89,31 +96,35 @@ def time_step(device: torch.device, step: Callable[[], object]) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
-def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int) -> tuple[float, float]:
-    """(median step ms, peak GiB of live tensors) after `warmup` steps."""
+def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int
+            ) -> tuple[float, float, float]:
+    """(median step ms, peak GiB of live tensors, peak GiB reserved by the allocator) after `warmup` steps."""
     for _ in range(warmup):
         step()
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times = [time_step(device, step) for _ in range(steps)]
-    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else float("nan")
-    return statistics.median(times), peak
+    if device.type != "cuda":
+        return statistics.median(times), float("nan"), float("nan")
+    peak, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    return statistics.median(times), peak / GIB, reserved / GIB
 
 
 def random_weights(config: UNetConfig, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """Random weights in RAM (pinned once when the compute device is CUDA): matrices and kernels with
     standard deviation 1/sqrt(fan_in), norm scales 1 and biases 0, so activations stay of order one (tiny
     activations would run on denormal floats, which are very slow on a CPU)."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)  # drawn on the GPU when there is one: seconds
     weights = {}
     for name, parameter in UNetModel(config, dtype=dtype, device="meta").named_parameters():
         if parameter.ndim >= 2:
             fan_in = parameter[0].numel()
-            tensor = (torch.randn(parameter.shape, generator=generator) / fan_in**0.5).to(dtype)
+            drawn = torch.randn(parameter.shape, generator=generator, device=device)
+            tensor = (drawn / fan_in**0.5).to(dtype)
         else:
             tensor = torch.full(parameter.shape, 1.0 if name.endswith("weight") else 0.0, dtype=dtype)
-        weights[name] = tensor.pin_memory() if device.type == "cuda" else tensor
+        weights[name] = tensor.cpu().pin_memory() if device.type == "cuda" else tensor
     return weights
 
 
@@ -128,9 +139,9 @@ def unet_inputs(config: UNetConfig, side: int, dtype: torch.dtype, device: torch
 
 
 def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.device, home: str,
-               budget: int | None, warmup: int, steps: int) -> tuple[float, float, float, int, int]:
-    """(ms, peak GiB, GiB copied per step, segments, workspace bytes) of our runtime with `home` weights
-    under `budget`."""
+               budget: int | None, warmup: int, steps: int) -> tuple[float, float, float, float, int, int]:
+    """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes) of our runtime with
+    `home` weights under `budget`."""
     bus = EventBus()
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
     ledger = DeviceLedger(device_name(device), budget if budget is not None else (None if free else 1 << 50),
@@ -153,13 +164,14 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
     try:
         for _ in range(warmup):
             step()
+        synchronize(device)
         counting[0] = True
-        ms, peak = measure(device, step, 0, steps)
+        ms, peak, reserved = measure(device, step, 0, steps)
         plan = runtime.snapshot()["modules"][name]["plan"]
         segments = len(plan["segments"])
         if device.type != "cuda":
             peak = ledger.peak_tracked / GIB
-        return ms, peak, copied[0] / steps / GIB, segments, plan["workspace_bytes"]
+        return ms, peak, reserved, copied[0] / steps / GIB, segments, plan["workspace_bytes"]
     finally:
         runtime.unregister(name)
         gc.collect()
@@ -218,10 +230,10 @@ def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype,
     rows = []
     for mode, offload in modes:
         torch.manual_seed(0)
-        model = UNet2DConditionModel.from_config(diffusers_config).to(dtype).eval()
-        if offload is None:
-            model.to(device)
-        else:
+        with torch.device(device):  # initialised where it is fast; offloaded models then go back to RAM
+            model = UNet2DConditionModel.from_config(diffusers_config).to(dtype).eval()
+        if offload is not None:
+            model.to("cpu")
             model.enable_group_offload(device, torch.device("cpu"), offload_type=offload,
                                        num_blocks_per_group=1 if offload == "block_level" else None,
                                        use_stream=True)
@@ -230,10 +242,11 @@ def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype,
             with torch.no_grad():
                 return model(x, timesteps, context, added_cond_kwargs=added).sample
 
-        ms, peak = measure(device, step, warmup, steps)
+        ms, peak, reserved = measure(device, step, warmup, steps)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         copied = 0.0 if offload is None else weight_bytes / GIB
-        rows.append(Row(name, f"diffusers {mode}", None, ms, peak, copied, None))
+        rows.append(Row(name, f"diffusers {mode}", None, ms, peak, copied, None, reserved_gib=reserved))
+        print(format_table(rows[-1:], header=False), flush=True)
         del model
         gc.collect()
         if device.type == "cuda":
@@ -266,48 +279,87 @@ def _diffusers_config(config: UNetConfig) -> dict:
     return diffusers
 
 
-def budgets(largest_stage: int, total: int, workspace: int, points: int) -> list[int]:
-    """From the smallest feasible budget (largest stage + workspace) to everything resident."""
+def budgets(largest_stage: int, total: int, workspace: int, points: int, extra: list[int]) -> list[int]:
+    """From the smallest feasible budget (largest stage + workspace) and the smallest that double-buffers
+    (two stages + workspace) to everything resident, evenly, plus the `extra` budgets (diffusers' peaks)."""
     low, high = largest_stage + workspace, total + workspace
-    if points <= 1:
-        return [high]
-    return [int(low + (high - low) * i / (points - 1)) for i in range(points)]
+    sweep = [low, 2 * largest_stage + workspace]
+    if points > 1:
+        sweep += [int(low + (high - low) * i / (points - 1)) for i in range(1, points)]
+    return sorted({b for b in sweep + extra if low <= b <= high})
 
 
 def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, device: torch.device,
                 args: argparse.Namespace, bandwidth: float) -> list[Row]:
+    theirs = [] if args.no_diffusers else diffusers_rows(name, config, side, dtype, device, args.warmup,
+                                                         args.steps)
     weights = random_weights(config, dtype, device)
     inputs = unet_inputs(config, side, dtype, device)
     largest, total = stage_bytes(config, dtype)
-    ms, peak, copied, segments, workspace = sluice_run(config, weights, inputs, device, "device", None,
-                                                       args.warmup, args.steps)
-    resident = Row(name, "sluice resident", None, ms, peak, copied, segments, ms)
+    ms, peak, reserved, copied, segments, workspace = sluice_run(config, weights, inputs, device, "device",
+                                                                 None, args.warmup, args.steps)
+    resident = Row(name, "sluice resident", None, ms, peak, copied, segments, ms, reserved)
     rows = [resident]
-    for budget in budgets(largest, total, workspace, args.budgets):
+    print(format_table(rows), flush=True)
+    offloaded = [r for r in theirs if "offload" in r.mode and r.peak_gib == r.peak_gib]
+    peaks = {int(r.peak_gib * GIB): r.mode for r in offloaded}
+    for budget in budgets(largest, total, workspace, args.budgets, list(peaks)):
         mode = f"sluice pinned RAM, budget {budget / MIB:.1f} MiB"
+        if budget in peaks:
+            mode += f" (= {peaks[budget].removeprefix('diffusers ')} peak)"
         try:
-            ms, peak, copied, segments, _ = sluice_run(config, weights, inputs, device, "cpu", budget,
-                                                       args.warmup, args.steps)
+            ms, peak, reserved, copied, segments, _ = sluice_run(config, weights, inputs, device, "cpu",
+                                                                 budget, args.warmup, args.steps)
         except BudgetExceeded as error:
             print(f"{name}: {mode}: infeasible ({error})", file=sys.stderr)
             rows.append(Row(name, mode, budget / GIB, None, None, 0.0, None))
             continue
-        physical = max(resident.step_ms, copied * GIB / bandwidth * 1e3)
-        rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical))
-    if not args.no_diffusers:
-        rows += diffusers_rows(name, config, side, dtype, device, args.warmup, args.steps)
-    return rows
+        must_stream = max(0, total + workspace - budget)  # what cannot stay resident under the budget
+        physical = max(resident.step_ms, must_stream / bandwidth * 1e3)
+        rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical, reserved))
+        print(format_table(rows[-1:], header=False), flush=True)
+    return rows + theirs
 
 
-def format_table(rows: list[Row]) -> str:
-    lines = ["| model | mode | ms / step | peak GiB | GiB copied / step | segments | physical ms |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+def check_targets(rows: list[Row]) -> list[str]:
+    """issue 5's targets, one line each: peak <= budget, resident <= 1.0x diffusers, <= 1.15x the physical
+    line, >= 2x diffusers leaf-level at its peak memory."""
+    lines = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model and r.mode.startswith("sluice") and r.step_ms is not None]
+        theirs = {r.mode: r for r in rows if r.model == model and r.mode.startswith("diffusers")}
+        budgeted = [r for r in mine if r.budget_gib is not None]
+        over = [r for r in budgeted if r.peak_gib > r.budget_gib]
+        lines.append(f"{model}: peak <= budget at {len(budgeted) - len(over)} of {len(budgeted)} budgets"
+                     + "".join(f"; over at {r.budget_gib:.3f} GiB: {r.peak_gib:.3f}" for r in over))
+        worst = max(budgeted, key=lambda r: r.over_physical, default=None)
+        if worst is not None:
+            lines.append(f"{model}: worst step / physical line {worst.over_physical:.2f} (target <= 1.15) at "
+                         f"{worst.budget_gib:.3f} GiB")
+        if "diffusers resident" in theirs:
+            ratio = mine[0].step_ms / theirs["diffusers resident"].step_ms
+            lines.append(f"{model}: resident {mine[0].step_ms:.1f} ms vs diffusers "
+                         f"{theirs['diffusers resident'].step_ms:.1f} ms: {ratio:.2f}x (target <= 1.0)")
+        leaf = theirs.get("diffusers group offload leaf_level stream")
+        at_leaf = [r for r in budgeted if "leaf_level" in r.mode]
+        if leaf is not None and at_leaf:
+            lines.append(f"{model}: at diffusers leaf-level's peak {leaf.peak_gib:.3f} GiB: "
+                         f"{at_leaf[0].step_ms:.1f} ms vs {leaf.step_ms:.1f} ms = "
+                         f"{leaf.step_ms / at_leaf[0].step_ms:.2f}x faster (target >= 2)")
+    return lines
+
+
+def format_table(rows: list[Row], header: bool = True) -> str:
+    lines = ["| model | mode | ms / step | peak GiB | reserved GiB | GiB copied / step | segments "
+             "| physical ms | / physical |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
     for r in rows:
         def cell(v: float | None, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
-        cells = (cell(r.step_ms, ".1f"), cell(r.peak_gib, ".3f"), f"{r.copied_gib_per_step:.3f}",
-                 cell(r.segments, "d"), cell(r.physical_ms, ".1f"))
+        cells = (cell(r.step_ms, ".1f"), cell(r.peak_gib, ".3f"), cell(r.reserved_gib, ".3f"),
+                 f"{r.copied_gib_per_step:.3f}", cell(r.segments, "d"), cell(r.physical_ms, ".1f"),
+                 cell(r.over_physical, ".2f"))
         lines.append(f"| {r.model} | {r.mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -382,9 +434,11 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny UNets in float32: a CPU smoke run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=10, help="measured steps per point (median)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (the first measures "
+                        "the workspace and stage times, the second runs the plan made with them)")
     parser.add_argument("--budgets", type=int, default=6, help="budget points in the sweep")
     parser.add_argument("--no-diffusers", action="store_true", help="leave diffusers' rows out")
+    parser.add_argument("--models", default="", help="comma-separated substrings of the model names to run")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -393,13 +447,21 @@ def main() -> int:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.float32 if args.tiny or device.type == "cpu" else torch.float16
+    if device.type == "cuda":  # clocks up before the first timing
+        a = torch.randn(8192, 8192, device=device, dtype=torch.float16)
+        for _ in range(50):
+            a @ a
+        synchronize(device)
     bandwidth = copy_bandwidth(device)
     print(f"device {device}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({'pinned host to device' if device.type == 'cuda' else 'RAM clone, CPU stand-in'})")
     rows: list[Row] = []
     for name, config, side in model_cases(args.tiny):
+        if args.models and not any(part.strip().lower() in name.lower() for part in args.models.split(",")):
+            continue
         rows += bench_model(name, config, side, dtype, device, args, bandwidth)
     print(format_table(rows))
+    print("\n".join(check_targets(rows)))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"memory_{'tiny_' if args.tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
     with open(args.out / f"{stem}.csv", "w", newline="") as handle:
