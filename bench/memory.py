@@ -8,7 +8,8 @@ weights in pinned RAM under budgets from the smallest feasible (the largest stag
 everything resident; in the same run diffusers' UNet resident and with `enable_group_offload` (block_level
 and leaf_level, use_stream=True) when diffusers is importable and the device is CUDA. Each row: median step
 time (CUDA events) of --steps after --warmup, peak `torch.cuda.max_memory_allocated` (on a CPU the ledger's
-tracked peak instead), peak `max_memory_reserved`, and bytes copied per step. The physical line is
+tracked peak instead), peak `max_memory_reserved` (both above what the process held before the point, such
+as cuBLAS's workspace), and bytes copied per step. The physical line is
 max(resident step time, bytes that cannot stay resident / measured pinned copy bandwidth), where the bytes
 that cannot stay resident are all weights + workspace - budget (ANCHORS.md "What this says"); the last
 column is the step time over it. Writes a table, a CSV, a JSON
@@ -142,6 +143,7 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
                budget: int | None, warmup: int, steps: int) -> tuple[float, float, float, float, int, int]:
     """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes) of our runtime with
     `home` weights under `budget`."""
+    before = release_garbage(device)
     bus = EventBus()
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
     ledger = DeviceLedger(device_name(device), budget if budget is not None else (None if free else 1 << 50),
@@ -171,12 +173,28 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
         segments = len(plan["segments"])
         if device.type != "cuda":
             peak = ledger.peak_tracked / GIB
+        else:
+            peak, reserved = peak - before / GIB, reserved - before / GIB
         return ms, peak, reserved, copied[0] / steps / GIB, segments, plan["workspace_bytes"]
     finally:
         runtime.unregister(name)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def release_garbage(device: torch.device) -> int:
+    """Free what earlier points left in reference cycles (a runtime and its ledger callbacks, a diffusers
+    model and its hooks); returns the bytes still allocated (cuBLAS's workspace and the like), which each
+    point's peak is reported above, so that it counts that point's own allocations only."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated(device)
+    if left > 64 * MIB:
+        print(f"note: {left / MIB:.1f} MiB still allocated before this point", file=sys.stderr)
+    return left
 
 
 def _compute(device: torch.device) -> object:
@@ -229,6 +247,7 @@ def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype,
                   ("group offload leaf_level stream", "leaf_level")]
     rows = []
     for mode, offload in modes:
+        before = release_garbage(device)
         torch.manual_seed(0)
         with torch.device(device):  # initialised where it is fast; offloaded models then go back to RAM
             model = UNet2DConditionModel.from_config(diffusers_config).to(dtype).eval()
@@ -243,11 +262,12 @@ def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype,
                 return model(x, timesteps, context, added_cond_kwargs=added).sample
 
         ms, peak, reserved = measure(device, step, warmup, steps)
+        peak, reserved = peak - before / GIB, reserved - before / GIB
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         copied = 0.0 if offload is None else weight_bytes / GIB
         rows.append(Row(name, f"diffusers {mode}", None, ms, peak, copied, None, reserved_gib=reserved))
         print(format_table(rows[-1:], header=False), flush=True)
-        del model
+        del model, step
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -452,6 +472,7 @@ def main() -> int:
         for _ in range(50):
             a @ a
         synchronize(device)
+        del a
     bandwidth = copy_bandwidth(device)
     print(f"device {device}, dtype {dtype}, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
           f"({'pinned host to device' if device.type == 'cuda' else 'RAM clone, CPU stand-in'})")

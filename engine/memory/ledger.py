@@ -13,6 +13,7 @@ and no larger size costs nothing, and idle workspaces are the first thing the we
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ from engine.devices import GIB, ComputeDevice, memory_info
 
 MIB = 1024**2
 DEFAULT_RESERVE = 512 * MIB
+RUN_REFRESH = 0.5  # seconds: how stale the live free-memory reading may be when a run starts
 KINDS = ("weights", "workspace")
 
 FreeMemoryFn = Callable[[], tuple[int, int]]  # () -> (total_bytes, free_bytes)
@@ -90,6 +92,9 @@ class DeviceLedger:
         self._tracked: dict[tuple[str, str, str], _Allocation] = {}  # (module, kind, key) -> allocation
         self._live: tuple[int, int, int] | None = None  # (total, free, tracked) at the last refresh
         self._on_release: dict[tuple[str, str, str], Callable[[], None]] = {}
+        self._refreshed_at = 0.0
+        self._total = 0  # tracked bytes, kept as allocations come and go
+        self._by_kind: dict[str, int] = {}
 
     @classmethod
     def for_device(
@@ -104,24 +109,33 @@ class DeviceLedger:
         return cls(device.name, resolve_budget(max_vram_gib, device, free_fn), reserve_bytes, free_fn, bus)
 
     def tracked(self, module: str | None = None, kind: str | None = None) -> int:
-        """Tracked bytes, optionally of one module and/or kind."""
+        """Tracked bytes, optionally of one module and/or kind (all, or all of a kind: O(1))."""
         with self._lock:
+            if module is None:
+                return self._total if kind is None else self._by_kind.get(kind, 0)
             return sum(
                 a.nbytes
                 for (m, k, _), a in self._tracked.items()
                 if (module is None or m == module) and (kind is None or k == kind)
             )
 
-    def refresh(self) -> None:
-        """Read the device's free memory now; until the next refresh, tracked changes update the reading.
+    def refresh(self, max_age: float = 0.0) -> None:
+        """Read the device's free memory now (unless the last reading is under `max_age` seconds old); until
+        the next refresh, tracked changes update the reading.
 
-        The runner refreshes once per run (reference/000: live free memory lowers the limit of each graph
-        run), which keeps the allocator and driver queries out of the per-tensor path.
+        The runner refreshes at the start of a run at most every RUN_REFRESH seconds (reference/000: live free
+        memory lowers the limit of each graph run), which keeps the driver and allocator queries (about a
+        millisecond) out of the per-step path.
         """
-        if self.free_memory_fn is not None:
-            total, free = self.free_memory_fn()
-            with self._lock:
-                self._live = (total, free, self.tracked())
+        if self.free_memory_fn is None:
+            return
+        now = time.monotonic()
+        if max_age and self._live is not None and now - self._refreshed_at < max_age:
+            return
+        total, free = self.free_memory_fn()
+        with self._lock:
+            self._live = (total, free, self.tracked())
+            self._refreshed_at = now
 
     def free(self) -> int | None:
         """Live free bytes (capped by total minus tracked), or None without a free-memory report."""
@@ -168,8 +182,13 @@ class DeviceLedger:
                 existing.nbytes = nbytes
             else:
                 self._tracked[(module, kind, key)] = _Allocation(nbytes)
+            self._count(kind, delta)
             self.peak_tracked = max(self.peak_tracked, self.tracked())
             self._publish(module, kind, key, delta)
+
+    def _count(self, kind: str, delta: int) -> None:
+        self._total += delta
+        self._by_kind[kind] = self._by_kind.get(kind, 0) + delta
 
     def set_idle(self, module: str, key: str) -> None:
         """Mark a workspace as not in use: kept for reuse, reclaimable under pressure."""
@@ -195,6 +214,7 @@ class DeviceLedger:
             allocation = self._tracked.pop((module, kind, key), None)
             callback = self._on_release.pop((module, kind, key), None)
             if allocation is not None:
+                self._count(kind, -allocation.nbytes)
                 self._publish(module, kind, key, -allocation.nbytes)
         if callback is not None:
             callback()

@@ -162,6 +162,7 @@ class MemoryRuntime:
         self.published_plan: str | None = None  # the last auto-fit plan announced (printed once)
         self._own_ledgers: set[str] = set()
         self._modules: dict[str, _Module] = {}
+        self._flash: dict[tuple, bool] = {}  # (kind, --flash-attn, dtype, devices) -> flash attention on
         self._split_modes: dict[str, str] = {}  # module -> split mode of its last resolved placement
         self._lock = threading.RLock()
 
@@ -456,22 +457,30 @@ class MemoryRuntime:
         several devices uses it only when every one of them selects it (reference/000)."""
         if module.kind not in FLASH_ATTN_MODULES:
             return True
-        modes = parse_modes(self.settings.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
-        mode = modes.get(module.kind, modes.get("*", "auto"))
         dtype = next(model.parameters()).dtype
-        return all(flash_attention_enabled(device.torch_device, mode, dtype) for device in module.devices)
+        key = (module.kind, self.settings.flash_attn, dtype, module.devices)
+        if key not in self._flash:
+            modes = parse_modes(self.settings.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
+            mode = modes.get(module.kind, modes.get("*", "auto"))
+            enabled = (flash_attention_enabled(d.torch_device, mode, dtype) for d in module.devices)
+            self._flash[key] = all(enabled)
+        return self._flash[key]
 
     def release(self, name: str) -> int:
         """Drop module `name`'s unpinned device replicas; returns the bytes freed."""
         return sum(part.store.release_module(name) for part in self._module(name).parts)
 
     def _make_room(self, module: _Module, part: _Part, stages: Sequence[Stage]) -> None:
-        """Release other modules' replicas on the part's device when the part would not fit otherwise."""
+        """Release other modules' replicas on the part's device when the part would not fit otherwise
+        (counters only: this runs before every step)."""
         store, runner = part.store, part.runner
-        keys = {k for stage in stages for k in store.stage_keys(stage)}
-        missing = sum(store.nbytes(k) for k in keys if not store.is_resident(k))
-        capacity = runner.ledger.available() + store.evictable_bytes(part.device.torch_device)
-        if missing and missing > capacity:
+        missing = store.missing_bytes(module.name)
+        if not missing or missing <= runner.ledger.available():
+            return
+        with self._lock:
+            others = any(p.store.replica_bytes(m.name) for m in self._modules.values() if m is not module
+                         for p in m.parts if p.device == part.device)
+        if others and missing > runner.ledger.available() + store.evictable_bytes(part.device.torch_device):
             self._release_others(module, part)
 
     def _release_others(self, module: _Module, part: _Part) -> int:

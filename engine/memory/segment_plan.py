@@ -55,6 +55,7 @@ class SegmentPlan:
     whole: bool  # the whole module fits: one segment, weights left resident
     ring_bytes: int = 0  # stream ring size (0 when nothing streams)
     resident_bytes: int = 0  # weights of resident segments that are not resident for good
+    brought_bytes: int = 0  # all weights that are not resident for good
 
 
 def plan_segments(
@@ -83,7 +84,7 @@ def plan_segments(
     if brought + workspace_estimate <= budget_available:
         whole = Segment(0, 0, len(stages), tuple(everything), sum(everything.values()),
                         brought + workspace_estimate)
-        return SegmentPlan((whole,), workspace_estimate, budget_available, True, 0, brought)
+        return SegmentPlan((whole,), workspace_estimate, budget_available, True, 0, brought, brought)
 
     room = budget_available - workspace_estimate
     ring_sizes = [sum(aligned(n) for n in need.values()) for need in needs]
@@ -101,27 +102,37 @@ def plan_segments(
     else:
         ring = min(room, max(largest, min(ring_target, room // 4) // 2))
         chunk = ring
-    streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds)
+    streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk)
     segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate)
     segments = _place_in_ring(segments, ring)
     resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
-    return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes)
+    return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes,
+                       brought)
 
 
-def _streamed_stages(sizes: Sequence[int], resident_room: int, seconds: Sequence[float] | None) -> list[bool]:
-    """Which stages stream: resident while the room lasts, streamed bytes keeping pace with compute time."""
+def _streamed_stages(
+    sizes: Sequence[int], resident_room: int, seconds: Sequence[float] | None, run: int
+) -> list[bool]:
+    """Which stages stream: resident while the room lasts, streamed bytes keeping pace with compute time.
+
+    The streamed bytes follow the pace within half a `run` either way (hysteresis), so roles alternate in
+    runs of about `run` bytes rather than stage by stage: fewer, larger segments.
+    """
     times = list(seconds) if seconds is not None and len(seconds) == len(sizes) else [1.0] * len(sizes)
     if sum(times) <= 0:
         times = [1.0] * len(sizes)
     to_stream = max(0, sum(sizes) - resident_room)
     total_time, elapsed, streamed_bytes, resident_bytes = sum(times), 0.0, 0, 0
     roles = []
+    stream = False
     for size, time in zip(sizes, times, strict=True):
         elapsed += time
+        pace = to_stream * elapsed / total_time
         fits = resident_bytes + size <= resident_room
-        keep_pace = streamed_bytes + size <= to_stream * elapsed / total_time
-        stream = size > 0 and (not fits or keep_pace)
-        roles.append(stream)
+        if size:
+            ahead = streamed_bytes + size - pace  # bytes streamed beyond the pace if this stage streams
+            stream = not fits or ahead <= (run // 2 if stream else -(run // 2))
+        roles.append(stream and size > 0)
         if stream:
             streamed_bytes += size
         else:

@@ -30,7 +30,7 @@ import torch
 
 from engine import telemetry
 from engine.devices import device_name
-from engine.memory.ledger import BudgetExceeded, DeviceLedger
+from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
 from engine.memory.stream_ring import StreamRing
 from engine.memory.weight_store import WeightStore
@@ -40,6 +40,7 @@ __all__ = ["Segment", "SegmentPlan", "SegmentRunner", "plan_segments"]
 
 WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per module
 RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
+WORKSPACE_SLACK = 4 * 1024**2  # added to a measured CUDA workspace: the caching allocator rounds blocks up
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -104,7 +105,7 @@ class _Measurement:
             return 2 * max(self.largest), self.seconds
         self._events[-1][1].synchronize()
         seconds = [start.elapsed_time(end) / 1e3 for start, end in self._events]
-        return max(self.workspace, 0), seconds
+        return max(self.workspace, 0) + WORKSPACE_SLACK, seconds
 
 
 class SegmentRunner:
@@ -141,7 +142,22 @@ class SegmentRunner:
         self._bound_ring: Segment | None = None  # the streamed segment whose ring views are bound now
         self._resident: tuple[int, frozenset[str]] | None = None  # (id(plan), keys of its resident segments)
         self._ready: tuple[int, int] | None = None  # (id(whole plan), store generation) with all bound
+        self._keys_cache: tuple[list[Stage], list[list[str]]] | None = None
+        self._held: dict[int, tuple[int, int]] = {}  # resident segment -> (id(plan), store generation)
+        self._device_name = device_name(self.device)
         self._pinned: list[str] = []  # keys pinned while a resident segment computes
+
+    def _stage_keys(self, stages: Sequence[Stage]) -> list[list[str]]:
+        """The keys each stage reads: the last call's when the stages are the same objects (a model that
+        caches its stage list), else looked up in the store."""
+        cached = self._keys_cache
+        if cached is not None and len(cached[0]) == len(stages) and all(
+            a is b for a, b in zip(cached[0], stages, strict=True)
+        ):
+            return cached[1]
+        keys = [self.store.stage_keys(stage) for stage in stages]
+        self._keys_cache = (list(stages), keys)
+        return keys
 
     def ring_bytes(self) -> int:
         return 0 if self._ring is None else self._ring.nbytes
@@ -158,10 +174,12 @@ class SegmentRunner:
 
     def run(self, stages: Sequence[Stage], state: State, module: str | None = None) -> State:
         """Run `stages` on `state` segment by segment; returns the final state."""
-        self.ledger.refresh()  # live free memory is read once per run (one driver query)
-        stage_keys = [self.store.stage_keys(stage) for stage in stages]
-        all_keys = [k for keys in stage_keys for k in keys]
-        self.module = module or (self.store.module_of(all_keys[0]) if all_keys else "model")
+        self.ledger.refresh(RUN_REFRESH)  # live free memory, read at most every RUN_REFRESH seconds
+        stage_keys = self._stage_keys(stages)
+        if module is None:
+            first = next((keys[0] for keys in stage_keys if keys), None)
+            module = self.store.module_of(first) if first is not None else "model"
+        self.module = module
         signature = _shape_signature(state)
         measuring = signature not in self._workspace
         workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
@@ -220,9 +238,11 @@ class SegmentRunner:
                 self._issued.discard(segment.index)
                 self._bound_ring = segment
                 self._hold(ring.bind(plan, segment, resident))
-            else:
-                self._hold(segment.keys)
+            elif self._held.get(segment.index) != (id(plan), self.store.generation):
+                self._hold(segment.keys)  # else its replicas are bound since it last ran: nothing to do
             state = self._run_stages(stages, segment.start, segment.stop, state, measurement)
+            if not segment.streamed:
+                self._held[segment.index] = (id(plan), self.store.generation)
             if segment.streamed:
                 ring.mark_done(segment)
             self._end(segment)
@@ -259,7 +279,7 @@ class SegmentRunner:
         self._computing = segment.index
         self.bus.publish(
             "segment_start",
-            device=device_name(self.device),
+            device=self._device_name,
             module=self.module,
             index=segment.index,
             stages=(segment.start, segment.stop),
@@ -275,7 +295,7 @@ class SegmentRunner:
             self._pinned = []
         self._computing = None
         self.bus.publish(
-            "segment_end", device=device_name(self.device), module=self.module, index=segment.index
+            "segment_end", device=self._device_name, module=self.module, index=segment.index
         )
 
     def _abandon(self) -> None:
@@ -408,7 +428,7 @@ class SegmentRunner:
         )
         self.bus.publish(
             "plan",
-            device=device_name(self.device),
+            device=self._device_name,
             module=self.module,
             cached=cached,
             whole=plan.whole,
@@ -427,6 +447,5 @@ class SegmentRunner:
         if need > capacity:
             return False
         if self.segmented:
-            keys = {k for s in plan.segments for k in s.keys if self.store.home(k) != "device"}
-            return sum(self.store.nbytes(k) for k in keys) + plan.workspace_bytes > capacity
+            return plan.brought_bytes + plan.workspace_bytes > capacity
         return True

@@ -105,6 +105,8 @@ class WeightStore:
         # id()s of a stage's modules -> (the modules, kept so the ids stay theirs, and the stage's keys)
         self._stage_keys: dict[tuple[int, ...], tuple[tuple[nn.Module, ...], list[str]]] = {}
         self._arenas: dict[str, torch.Tensor] = {}  # module -> its cpu-home weights' host arena (uint8)
+        self._offloaded: dict[str, int] = {}  # module -> bytes of its cpu and disk homes
+        self._replicas: dict[str, int] = {}  # module -> bytes of its replicas now
         self._clock = 0
         self.generation = 0  # counts evictions: a runner whose weights were all bound at generation g
         # knows they still are while the generation is g
@@ -160,9 +162,19 @@ class WeightStore:
                 if home == "device":
                     self.ledger(device).release(module, "weights", key)
             raise
-        if arena is not None:
+        if arena is not None and home == "cpu":
             self._arenas[module] = arena
+        if home != "device":
+            self._offloaded[module] = self._offloaded.get(module, 0) + sum(self.nbytes(k) for k in keys)
         return keys
+
+    def missing_bytes(self, module: str) -> int:
+        """Bytes of `module`'s cpu and disk weights that have no replica on the device now (O(1))."""
+        return self._offloaded.get(module, 0) - self._replicas.get(module, 0)
+
+    def replica_bytes(self, module: str) -> int:
+        """Bytes of `module`'s replicas on the device now (O(1))."""
+        return self._replicas.get(module, 0)
 
     @staticmethod
     def _new_arena(model: nn.Module, device: torch.device, home: str) -> torch.Tensor:
@@ -320,7 +332,7 @@ class WeightStore:
         """Bytes eviction could free on `device` now: unpinned replicas and idle workspaces."""
         device = torch.device(device)
         ledger = self.ledger(device)
-        replicas = sum(w.nbytes for w in self._weights.values() if w.device == device and self._evictable(w))
+        replicas = sum(w.nbytes for w in self._evictable_weights(device))
         return replicas + sum(nbytes for _, _, nbytes in ledger.idle_workspaces())
 
     def acquire(
@@ -353,6 +365,8 @@ class WeightStore:
         except BaseException:
             for weight in allocated:
                 ledger.release(weight.module, "weights", weight.key)
+                if weight.replica is not None:
+                    self._replicas[weight.module] -= weight.nbytes
                 weight.replica = weight.replica_parameter = weight.group = None
             raise
         return {w.key: w.home_tensor if w.home == "device" else w.replica for w in weights}
@@ -381,6 +395,7 @@ class WeightStore:
             else:
                 self._copy_disk_weight(weight, view, stream)
             weight.replica, weight.group = view, group
+            self._replicas[weight.module] = self._replicas.get(weight.module, 0) + weight.nbytes
             weight.replica_parameter = nn.Parameter(view, requires_grad=False)
             cursor += aligned(weight.nbytes)
         start = time.perf_counter()
@@ -445,7 +460,7 @@ class WeightStore:
                 reason="idle_workspace",
                 segment=None,
             )
-        candidates = [w for w in self._weights.values() if w.device == device and self._evictable(w, protect)]
+        candidates = self._evictable_weights(device, protect)
         in_plan = sorted(
             (w for w in candidates if w.segment is not None), key=lambda w: (-w.segment, -w.order)
         )
@@ -459,14 +474,14 @@ class WeightStore:
     def release_keys(self, keys: Iterable[str], reason: str = "replan") -> int:
         """Drop the unpinned replicas of `keys` (a new plan streams them); returns the bytes freed."""
         weights = [self._weight(k) for k in keys]
-        return sum(self._evict(w, reason) for w in weights if self._evictable(w))
+        return sum(self._evict(w, reason) for w in weights if w.replica is not None and self._evictable(w))
 
     def release_module(self, module: str) -> int:
         """Drop every unpinned replica of `module` (end of its phase); returns the bytes freed."""
         return sum(
             self._evict(w, "module_done")
             for w in list(self._weights.values())
-            if w.module == module and self._evictable(w)
+            if w.module == module and w.replica is not None and self._evictable(w)
         )
 
     def bind_stage_weights(self, stage: Stage, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -525,6 +540,20 @@ class WeightStore:
     def _members(self, weight: _Weight) -> list[_Weight]:
         return weight.group.members if weight.group is not None else [weight]
 
+    def _evictable_weights(self, device: torch.device, protect: Collection[str] = ()) -> list[_Weight]:
+        """Every replica on `device` that eviction may drop now (each buffer checked once)."""
+        verdict: dict[int, bool] = {}
+        out = []
+        for weight in self._weights.values():
+            if weight.replica is None or weight.device != device:
+                continue
+            group = id(weight.group) if weight.group is not None else id(weight)
+            if group not in verdict:
+                verdict[group] = self._evictable(weight, protect)
+            if verdict[group]:
+                out.append(weight)
+        return out
+
     def _evictable(self, weight: _Weight, protect: Collection[str] = ()) -> bool:
         """An unpinned, unprotected replica whose buffer-mates are unpinned and unprotected too."""
         return weight.replica is not None and not any(
@@ -542,6 +571,7 @@ class WeightStore:
             if member.bound:
                 self._rest(member)
             member.replica = member.replica_parameter = member.group = None
+            self._replicas[member.module] -= member.nbytes
             ledger = self.ledger(member.device)
             freed += ledger.release(member.module, "weights", member.key)
             self.bus.publish(
