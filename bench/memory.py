@@ -42,6 +42,7 @@ from engine.placement import MemorySettings  # noqa: E402
 from engine.telemetry import EventBus  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GRAPHS = ["auto"]  # --cuda-graphs of the runs (a list so main() can set it)
 MIB = 1024**2
 
 
@@ -97,14 +98,20 @@ def time_step(device: torch.device, step: Callable[[], object]) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
-def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int
+def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int, peak_over: int = 0
             ) -> tuple[float, float, float]:
-    """(median step ms, peak GiB of live tensors, peak GiB reserved by the allocator) after `warmup` steps."""
-    for _ in range(warmup):
+    """(median step ms, peak GiB of live tensors, peak GiB reserved by the allocator) after `warmup` steps.
+
+    The peaks cover the last `peak_over` warm-up steps too: a CUDA graph allocates its call's memory while
+    it is captured, and its replays allocate nothing that `max_memory_allocated` would see.
+    """
+    for _ in range(warmup - peak_over):
         step()
     synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(peak_over):
+        step()
     times = [time_step(device, step) for _ in range(steps)]
     if device.type != "cuda":
         return statistics.median(times), float("nan"), float("nan")
@@ -148,7 +155,8 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
     ledger = DeviceLedger(device_name(device), budget if budget is not None else (None if free else 1 << 50),
                           free_memory_fn=free, bus=bus)
-    runtime = MemoryRuntime(MemorySettings(), bus=bus, ledgers={ledger.device_name: ledger})
+    settings = MemorySettings(cuda_graphs=GRAPHS[0])
+    runtime = MemoryRuntime(settings, bus=bus, ledgers={ledger.device_name: ledger})
     unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
     name = runtime.register("diffusion", unet, home, ledger.device_name, weights.__getitem__)
     copied = [0]
@@ -164,18 +172,17 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
         return runtime.run(name, unet, unet.stages(), unet.initial_state(*inputs))["h"]
 
     try:
-        for _ in range(warmup):
-            step()
-        synchronize(device)
+        ms, peak, reserved = measure(device, step, warmup, steps, peak_over=1)  # the last warm-up captures
         counting[0] = True
-        ms, peak, reserved = measure(device, step, 0, steps)
+        step()  # one more, counted: the bytes copied per step
+        synchronize(device)
         plan = runtime.snapshot()["modules"][name]["plan"]
         segments = len(plan["segments"])
         if device.type != "cuda":
             peak = ledger.peak_tracked / GIB
         else:
             peak, reserved = peak - before / GIB, reserved - before / GIB
-        return ms, peak, reserved, copied[0] / steps / GIB, segments, plan["workspace_bytes"]
+        return ms, peak, reserved, copied[0] / GIB, segments, plan["workspace_bytes"]
     finally:
         runtime.unregister(name)
         gc.collect()
@@ -459,9 +466,12 @@ def main() -> int:
     parser.add_argument("--budgets", type=int, default=6, help="budget points in the sweep")
     parser.add_argument("--no-diffusers", action="store_true", help="leave diffusers' rows out")
     parser.add_argument("--models", default="", help="comma-separated substrings of the model names to run")
+    parser.add_argument("--cuda-graphs", default="auto", choices=("on", "off", "auto"),
+                        help="the runtime's --cuda-graphs (default auto: on)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     device = torch.device(args.device)
+    GRAPHS[0] = args.cuda_graphs
     if args.tiny:
         torch.set_num_threads(1)  # tiny kernels: OpenMP barriers only add noise on a shared CPU
     if device.type == "cuda" and device.index is None:

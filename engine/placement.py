@@ -259,6 +259,7 @@ _SETTING_FLAGS = (
     "flash_attn",
     "conv_direct",
     "vae_tiling",
+    "cuda_graphs",
 )
 
 
@@ -276,6 +277,7 @@ class MemorySettings:
     prefetch: bool = True  # not --disable-prefetch
     segmented: bool = True  # not --disable-segmented-compute
     vae_tiling: str = "auto"  # --vae-tiling on|off|auto
+    cuda_graphs: str = "auto"  # --cuda-graphs on|off|auto (auto = on: replay each module's steady call)
     warnings: tuple[str, ...] = ()  # deprecation warnings of the flags this was built from
 
     def __post_init__(self) -> None:
@@ -290,6 +292,7 @@ class MemorySettings:
         parse_modes(self.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
         parse_modes(self.conv_direct, "--conv-direct", MODES, CONV_DIRECT_MODULES)
         object.__setattr__(self, "vae_tiling", _mode(self.vae_tiling, "--vae-tiling"))
+        object.__setattr__(self, "cuda_graphs", _mode(self.cuda_graphs, "--cuda-graphs"))
 
     @classmethod
     def from_args(cls, **flag_values: Any) -> MemorySettings:
@@ -331,6 +334,7 @@ class MemorySettings:
             prefetch=not flag_values.get("disable_prefetch", False),
             segmented=not flag_values.get("disable_segmented_compute", False),
             vae_tiling=strings["vae_tiling"] or "auto",
+            cuda_graphs=strings["cuda_graphs"] or "auto",
             warnings=tuple(warnings),
         )
 
@@ -429,6 +433,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--conv-direct", help="on, off or auto, with module entries: auto,vae=off")
     group.add_argument("--auto-fit", choices=("on", "off"), help="automatic placement (default on)")
     group.add_argument("--vae-tiling", choices=MODES, help="decode the VAE in tiles (default auto)")
+    group.add_argument(
+        "--cuda-graphs", choices=MODES, help="replay a module's repeated calls as CUDA graphs (default on)"
+    )
     for flag, module, target, deprecated in _COMPAT_FLAGS.values():
         assignment = "--backend" if target == "backend" else "--params-backend"
         note = "deprecated: " if deprecated else ""

@@ -184,6 +184,7 @@ class MemoryRuntime:
                     continue  # split parts never segment or prefetch (reference/000)
                 module.runner.prefetch = settings.prefetch and module.device.torch_device.type == "cuda"
                 module.runner.segmented = settings.segmented
+                module.runner.graphs = settings.cuda_graphs != "off"
 
     def resolve_placement(
         self,
@@ -325,6 +326,7 @@ class MemoryRuntime:
             prefetch=self.settings.prefetch and not split,
             segmented=self.settings.segmented and not split,
             bus=self.bus,
+            graphs=self.settings.cuda_graphs != "off" and not split,
         )
         return _Part(device, store, runner, keys)
 
@@ -560,7 +562,8 @@ def _current(device: ComputeDevice) -> contextlib.AbstractContextManager:
 
 
 def _process_part(settings: MemorySettings) -> tuple:
-    return (settings.max_vram, settings.prefetch, settings.segmented, settings.vae_tiling)
+    return (settings.max_vram, settings.prefetch, settings.segmented, settings.vae_tiling,
+            settings.cuda_graphs)
 
 
 def _unregister_all(runtime_ref: Callable[[], MemoryRuntime | None], names: tuple[str, ...]) -> None:

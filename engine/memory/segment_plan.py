@@ -7,7 +7,7 @@ Otherwise each stage gets a role (reference/001 "graph-cut segments", edge-dit's
 - streamed: its weights are copied, for every call, into a ring buffer of `ring_bytes` that streamed
   segments share in order, and dropped after the segment computes.
 
-The ring holds at least two of the largest stages, and up to a quarter of the room (at most RING_TARGET);
+The ring holds at least two of the largest stages, and up to an eighth of the room (at most RING_TARGET);
 with room for two streamed segments the copy of the next segments overlaps the current one's compute
 (double buffering and deeper). Resident bytes = capacity - workspace - ring, so the bytes streamed
 per call are the weights - that, the least any plan can stream plus the ring. Which stages stream is chosen
@@ -97,10 +97,10 @@ def plan_segments(
             )
     largest = max(ring_sizes)
     if overlap and room >= 2 * largest:
-        ring = min(room, max(2 * largest, min(ring_target, room // 4)))
+        ring = min(room, max(2 * largest, min(ring_target, room // 8)))
         chunk = max(largest, ring // 3)
     else:
-        ring = min(room, max(largest, min(ring_target, room // 4) // 2))
+        ring = min(room, max(largest, min(ring_target, room // 8) // 2))
         chunk = ring
     streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk)
     segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate)

@@ -18,12 +18,23 @@ what was allocated before the call; on other devices (no allocator report) twice
 the stage states. The same call times each stage (CUDA events, or the wall clock on a CPU), and the plan is
 remade with those times so streamed bytes follow compute. Plans are cached per input shape, budget and
 workspace, and reused while they still fit.
+
+CUDA graphs (`--cuda-graphs`, on by default on CUDA): once a call ran with the same input shape, plan,
+stream ring and weight residency as the call before it (nothing was copied in or evicted), the next call is
+captured as one CUDA graph, copies into the ring and their events included, and later calls with the same
+key replay it: the host then queues one graph instead of thousands of kernels, which on a launch-bound
+model is most of a step. Inputs are copied into the graph's tensors and outputs cloned out. The graph's
+memory pool holds the call's workspace for as long as the graph lives, so the ledger keeps that workspace
+tracked (idle between calls); evicting it drops the graph. Any change of the key runs eagerly again, and a
+failed capture turns graphs off for the runner with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +51,8 @@ __all__ = ["Segment", "SegmentPlan", "SegmentRunner", "plan_segments"]
 
 WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per module
 RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
+GRAPH_KEY = "cuda_graph"  # the memory pool of a captured call, tracked as a workspace while it exists
+log = logging.getLogger("sluice.memory")
 WORKSPACE_SLACK = 4 * 1024**2  # added to a measured CUDA workspace: the caching allocator rounds blocks up
 
 
@@ -55,6 +68,26 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _largest_tensor_bytes(state: State) -> int:
     return max((t.numel() * t.element_size() for t in _tensors(state)), default=0)
+
+
+def _clone_state(value: Any) -> Any:
+    """`value` with every tensor cloned (a graph's outputs are overwritten by its next replay)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_clone_state(v) for v in value)
+    return value
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]  # the captured call's input tensors, in `_tensors` order
+    output: State  # the captured call's output state (the graph's tensors)
+    key: tuple
+    copies: list[tuple[int, int]]  # (streamed segment index, bytes) the graph copies on each replay
 
 
 def _shape_signature(state: State) -> tuple:
@@ -105,7 +138,8 @@ class _Measurement:
             return 2 * max(self.largest), self.seconds
         self._events[-1][1].synchronize()
         seconds = [start.elapsed_time(end) / 1e3 for start, end in self._events]
-        return max(self.workspace, 0) + WORKSPACE_SLACK, seconds
+        workspace = max(self.workspace, 0)
+        return workspace + min(WORKSPACE_SLACK, workspace // 16), seconds
 
 
 class SegmentRunner:
@@ -117,6 +151,7 @@ class SegmentRunner:
         prefetch: bool = True,
         segmented: bool = True,
         bus: telemetry.EventBus | None = None,
+        graphs: bool = True,
     ) -> None:
         """Runs stage lists on `device` within `ledger`'s budget, with weights from `store`.
 
@@ -129,7 +164,11 @@ class SegmentRunner:
         self.device = torch.device(device)
         self.prefetch = prefetch
         self.segmented = segmented
+        self.graphs = graphs  # capture steady calls as CUDA graphs (on CUDA only)
         self.bus = bus or telemetry.bus
+        self._graph: _Graph | None = None
+        self._steady: tuple | None = None  # key of the last call that copied nothing in and evicted nothing
+        self._ring_serial = 0  # counts stream rings, so a graph never replays over a replaced one
         self.plan: SegmentPlan | None = None
         self.module: str | None = None
         self._plans: dict[tuple, SegmentPlan] = {}
@@ -184,6 +223,27 @@ class SegmentRunner:
         measuring = signature not in self._workspace
         workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
         plan = self._plan_for(stages, stage_keys, workspace, signature)
+        if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
+            return self._run_eager(plan, stages, state, signature, measuring)
+        key = (signature, id(plan), self.store.generation, self._ring_serial, torch.is_grad_enabled())
+        if self._graph is not None and self._graph.key == key:
+            return self._replay(self._graph, plan, state)
+        self._drop_graph()
+        if self._steady == key:
+            try:
+                return self._capture(plan, stages, state, key)
+            except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager calls
+                log.warning("%s: CUDA graph capture failed (%s); running without graphs", self.module, error)
+                self.graphs = False
+                self._drop_graph()
+        state = self._run_eager(plan, stages, state, signature, measuring)
+        after = (signature, id(self.plan), self.store.generation, self._ring_serial, torch.is_grad_enabled())
+        self._steady = key if after == key else None
+        return state
+
+    def _run_eager(
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, signature: tuple, measuring: bool
+    ) -> State:
         measurement = _Measurement(self, state, len(stages)) if measuring else None
         try:
             self._allocate(self.module, WORKSPACE_KEY, plan.workspace_bytes)
@@ -196,6 +256,66 @@ class SegmentRunner:
         if measurement is not None:
             self._workspace[signature], self._seconds[signature] = measurement.finish()
         return state
+
+    # ------------------------------------------------------------------------------------------ graphs
+
+    def _capture(self, plan: SegmentPlan, stages: Sequence[Stage], state: State, key: tuple) -> State:
+        """Capture one call as a CUDA graph, replay it once for this call's result, and keep it."""
+        inputs = _clone_state(state)
+        static = _tensors(inputs)  # before the capture: the stages change the state's structure
+        copies: list[tuple[int, int]] = []
+
+        def record(event: telemetry.Event) -> None:
+            if event.kind == "transfer" and str(event.get("key", "")).startswith("segment "):
+                copies.append((int(event["key"].removeprefix("segment ")), int(event["bytes"])))
+
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        unsubscribe = self.bus.subscribe(record)
+        try:
+            with torch.cuda.graph(graph):
+                output = self._run_eager(plan, stages, inputs, key[0], False)
+        finally:
+            unsubscribe()
+        self._graph = _Graph(graph, static, output, key, copies)
+        self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
+        self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
+        self.ledger.set_idle(self.module, GRAPH_KEY)
+        return self._replay(self._graph, plan, state)
+
+    def _replay(self, graph: _Graph, plan: SegmentPlan, state: State) -> State:
+        self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)  # active again while it runs
+        try:
+            for target, value in zip(graph.inputs, _tensors(state), strict=True):
+                target.copy_(value)
+            self.bus.publish("segment_start", device=self._device_name, module=self.module, index=0,
+                             stages=(0, plan.segments[-1].stop), weight_bytes=0, graph=True)
+            graph.graph.replay()
+            for index, nbytes in graph.copies:
+                self.bus.publish("transfer", device=self._device_name, module=self.module,
+                                 key=f"segment {index}", bytes=nbytes, direction="h2d", seconds=0.0,
+                                 stream="graph")
+            self.bus.publish("segment_end", device=self._device_name, module=self.module, index=0)
+            return _clone_state(graph.output)
+        finally:
+            if self._graph is graph:
+                self.ledger.set_idle(self.module, GRAPH_KEY)
+
+    def _rereads(self, plan: SegmentPlan) -> bool:
+        """Whether a streamed segment re-reads disk-home weights on every call: such host reads cannot be
+        captured (a graph would copy from the first call's buffers)."""
+        if plan.whole:
+            return False
+        return any(self.store.home(k) == "disk" for s in plan.segments if s.streamed for k in s.keys)
+
+    def _drop_graph(self) -> None:
+        if self._graph is not None:
+            self.ledger.release(self.module, "workspace", GRAPH_KEY)  # calls _forget_graph
+        self._graph = None
+
+    def _forget_graph(self) -> None:
+        self._graph = None
+        self._steady = None
 
     # ------------------------------------------------------------------------------------------ running
 
@@ -331,6 +451,7 @@ class SegmentRunner:
             return self._ring
         self._drop_ring()
         self._allocate(self.module, RING_KEY, plan.ring_bytes)
+        self._ring_serial += 1
         buffer = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=self.device)
         if self.device.type == "cuda" and self.prefetch:
             buffer.record_stream(self._side_stream())
@@ -345,6 +466,7 @@ class SegmentRunner:
 
     def _forget_ring(self) -> None:
         self._ring = None
+        self._ring_serial += 1
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._copy_stream is None:

@@ -342,6 +342,7 @@ def test_settings_round_trip_through_the_workflow_file_as_strings():
         flash_attn="auto,te=off",
         disable_prefetch=True,
         vae_tiling="on",
+        cuda_graphs="off",
     )
     data = settings.to_dict()
     assert all(isinstance(v, str) for v in data.values())
@@ -350,6 +351,8 @@ def test_settings_round_trip_through_the_workflow_file_as_strings():
     assert "params_backend" not in MemorySettings().to_dict()
     with pytest.raises(PlacementError, match="unknown memory setting"):
         MemorySettings.from_dict({"bakend": "cpu"})
+    with pytest.raises(PlacementError, match="--cuda-graphs requires on, off or auto, got 'maybe'"):
+        MemorySettings.from_dict({"cuda_graphs": "maybe"})
     with pytest.raises(PlacementError, match="disk is a parameter residency mode"):
         MemorySettings.from_dict({"backend": "disk"})
 
@@ -358,8 +361,10 @@ def test_cli_flags_override_workflow_settings():
     parser = argparse.ArgumentParser()
     add_placement_arguments(parser)
     base = MemorySettings(backend="cpu", flash_attn="off", max_vram="4")
-    ns = parser.parse_args(["--backend", "cuda1", "--clip-on-cpu", "--auto-fit", "off", "--disable-prefetch"])
+    ns = parser.parse_args(["--backend", "cuda1", "--clip-on-cpu", "--auto-fit", "off", "--disable-prefetch",
+                            "--cuda-graphs", "off"])
     settings = settings_from_namespace(ns, base)
+    assert settings.cuda_graphs == "off" and base.cuda_graphs == "auto"
     assert settings.backend == "te=cpu,cuda1"
     assert settings.flash_attn == "off" and settings.max_vram == "4"
     assert settings.auto_fit is False and settings.prefetch is False and settings.segmented is True

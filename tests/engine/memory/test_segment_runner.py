@@ -271,3 +271,28 @@ def test_cuda_prefetching_run_is_bit_identical_within_budget(home, prefetch, tmp
         assert torch.equal(runner.run(model.stages(), {"x": x})["x"], expected)
     assert len(runner.plan.segments) > 1 and ledger.peak_tracked <= budget
     assert any(s.streamed for s in runner.plan.segments)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("budget", [None, 4 * (256 * 256 + 256) * 4 + 4 * 16 * 256 * 4])
+def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
+    resident, weights = reference_weights(256, DEPTH)
+    reference = resident.cuda()
+    bus = EventBus()
+    events = EventRecorder(bus)
+    ledger = DeviceLedger("cuda0", budget if budget is not None else 1 << 40, bus=bus)
+    store = WeightStore(ledger, bus=bus)
+    model = ToyStaged(256, DEPTH)
+    store.register_model("diffusion", model, "cpu", "cuda:0", weights.__getitem__)
+    runner = SegmentRunner(store, ledger, "cuda:0", bus=bus, graphs=True)
+    for batch in (16, 16, 16, 16, 16, 8, 8, 8, 8):
+        x = torch.randn(batch, 256, device="cuda")
+        assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
+    assert runner._graph is not None and runner._graph.key[0] == (("x", (((8, 256), "torch.float32"),)),)
+    streamed = [s for s in runner.plan.segments if s.streamed]
+    replayed = [e for e in events.of_kind("transfer") if e["stream"] == "graph"]
+    assert bool(streamed) == (budget is not None) and bool(replayed) == bool(streamed)
+    store.release_module("diffusion")  # residency changes: the next call runs eagerly, still exact
+    x = torch.randn(8, 256, device="cuda")
+    assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
+    assert ledger.peak_tracked <= ledger.budget_bytes
