@@ -185,6 +185,7 @@ class MemoryRuntime:
                 module.runner.prefetch = settings.prefetch and module.device.torch_device.type == "cuda"
                 module.runner.segmented = settings.segmented
                 module.runner.graphs = settings.cuda_graphs != "off"
+                module.runner.reset_graph()  # a capture bakes in the attention backends and budgets
 
     def resolve_placement(
         self,

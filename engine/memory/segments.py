@@ -91,10 +91,16 @@ class _Graph:
 
 
 def _shape_signature(state: State) -> tuple:
-    """The input shapes and dtypes a plan depends on, in state order."""
-    return tuple(
-        (key, tuple((tuple(t.shape), str(t.dtype)) for t in _tensors(value))) for key, value in state.items()
-    )
+    """What a plan and a captured graph depend on, in state order: each tensor's shape, dtype and device,
+    and the plain values (a text encoder's clip skip, flags) that choose the computation."""
+
+    def describe(value: Any) -> tuple:
+        tensors = _tensors(value)
+        if tensors:
+            return tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in tensors)
+        return (repr(value),) if value is None or isinstance(value, bool | int | float | str) else ()
+
+    return tuple((key, describe(value)) for key, value in state.items())
 
 
 class _Measurement:
@@ -288,14 +294,8 @@ class SegmentRunner:
         try:
             for target, value in zip(graph.inputs, _tensors(state), strict=True):
                 target.copy_(value)
-            self.bus.publish("segment_start", device=self._device_name, module=self.module, index=0,
-                             stages=(0, plan.segments[-1].stop), weight_bytes=0, graph=True)
             graph.graph.replay()
-            for index, nbytes in graph.copies:
-                self.bus.publish("transfer", device=self._device_name, module=self.module,
-                                 key=f"segment {index}", bytes=nbytes, direction="h2d", seconds=0.0,
-                                 stream="graph")
-            self.bus.publish("segment_end", device=self._device_name, module=self.module, index=0)
+            self._publish_replay(graph, plan)
             return _clone_state(graph.output)
         finally:
             if self._graph is graph:
@@ -307,6 +307,25 @@ class SegmentRunner:
         if plan.whole:
             return False
         return any(self.store.home(k) == "disk" for s in plan.segments if s.streamed for k in s.keys)
+
+    def _publish_replay(self, graph: _Graph, plan: SegmentPlan) -> None:
+        """The events of an eager call, published while the GPU runs the replay (host times, so a trace
+        shows when the work was queued): the GUI and the counters stay the same with graphs."""
+        copies = dict(graph.copies)
+        for segment in plan.segments:
+            if segment.index in copies:
+                self.bus.publish("transfer", device=self._device_name, module=self.module,
+                                 key=f"segment {segment.index}", bytes=copies[segment.index], direction="h2d",
+                                 seconds=0.0, stream="graph")
+            self.bus.publish("segment_start", device=self._device_name, module=self.module,
+                             index=segment.index, stages=(segment.start, segment.stop),
+                             weight_bytes=segment.weight_bytes)
+            self.bus.publish("segment_end", device=self._device_name, module=self.module, index=segment.index)
+
+    def reset_graph(self) -> None:
+        """Drop the captured graph (settings that the capture baked in changed)."""
+        self._drop_graph()
+        self._steady = None
 
     def _drop_graph(self) -> None:
         if self._graph is not None:

@@ -288,7 +288,8 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
     for batch in (16, 16, 16, 16, 16, 8, 8, 8, 8):
         x = torch.randn(batch, 256, device="cuda")
         assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
-    assert runner._graph is not None and runner._graph.key[0] == (("x", (((8, 256), "torch.float32"),)),)
+    assert runner._graph is not None
+    assert runner._graph.key[0] == (("x", (((8, 256), "torch.float32", "cuda:0"),)),)
     streamed = [s for s in runner.plan.segments if s.streamed]
     replayed = [e for e in events.of_kind("transfer") if e["stream"] == "graph"]
     assert bool(streamed) == (budget is not None) and bool(replayed) == bool(streamed)
@@ -296,3 +297,12 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
     x = torch.randn(8, 256, device="cuda")
     assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
     assert ledger.peak_tracked <= ledger.budget_bytes
+
+
+def test_plain_values_of_the_state_choose_their_own_plan():
+    _, weights = reference_weights(WIDTH, DEPTH)
+    model, _, _, runner, events = build("cpu", TIGHT, None, weights)
+    x = torch.randn(4, WIDTH)
+    for skip in (1, 1, 2):  # a different plain value (a clip skip, a flag) is a different call to plan for
+        runner.run(model.stages(), {"x": x, "skip": skip})
+    assert [p["cached"] for p in events.of_kind("plan")] == [False, False, False]
