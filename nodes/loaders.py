@@ -126,7 +126,8 @@ def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any],
             needs.append(ComponentNeed(f"{node_id}/{module}", module, resolved[module].compute,
                                        sum(p.weight_bytes for p in parts),
                                        max(p.largest_tensor_bytes for p in parts),
-                                       fixed=resolved[module].params))
+                                       fixed=resolved[module].params,
+                                       split=tuple(resolved[module].devices[1:])))
     return needs
 
 

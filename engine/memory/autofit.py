@@ -12,8 +12,12 @@ first claim. Each goes to the first place with room:
 3. another GPU, the one with the most remaining room that fits;
 4. disk, re-read on demand.
 
-A component computing on the CPU uses RAM (its device) or disk. Nothing is loaded: byte counts come from
-the checkpoint header (engine.models.detect statistics at the compute dtype).
+A component computing on the CPU uses RAM (its device) or disk. A component split over several GPUs
+(`diffusion=cuda0&cuda1`) stays on its devices only if its full size fits on each of them, and is then
+counted in full on each (reference/000: before the runners have built their split plans, auto-fit
+conservatively counts the full component on each listed GPU; `--auto-fit off` avoids that). Auto-fit never
+chooses a split itself. Nothing is loaded: byte counts come from the checkpoint header
+(engine.models.detect statistics at the compute dtype).
 
 Quantisation hook (for edge-dit's ladder, reference/004, filled by a later issue): `plan_placements` takes
 `quantisers` (default: the module list `QUANTISERS`, empty until then), callables
@@ -55,6 +59,7 @@ class ComponentNeed:
     largest_tensor_bytes: int  # the staging room one weight needs
     variant: str = ""  # set by a quantiser: e.g. "q8_0"
     fixed: str | None = None  # an explicit params choice (device, cpu, disk): planned as given
+    split: tuple[str, ...] = ()  # the other GPUs of a module split over several (compute is the main one)
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ def plan_placements(
         gpu = need.compute
         staging = sum(n.largest_tensor_bytes for n in ordered[index + 1 :] if n.compute == gpu)
         room = remaining[gpu] - claimed[gpu] - _reserve(need) - staging
+        for other in need.split:  # a split module: its full size on each of its GPUs, conservatively
+            room = min(room, remaining.get(other, 0) - claimed.get(other, 0) - _reserve(need))
         candidate = need
         if need.weight_bytes > room:
             for quantiser in quantisers:
@@ -166,8 +173,10 @@ def plan_placements(
                     candidate = smaller
                     break
         if candidate.weight_bytes <= room:
-            remaining[gpu] -= candidate.weight_bytes
-            choices.append(Choice(candidate, "device", f"fits on {gpu} with its compute reserve"))
+            for device in (gpu, *need.split):
+                remaining[device] -= candidate.weight_bytes
+            where = " and ".join((gpu, *need.split))
+            choices.append(Choice(candidate, "device", f"fits on {where} with its compute reserve"))
             continue
         claimed[gpu] += need.weight_bytes + _reserve(need)
         if ram is not None and need.weight_bytes <= ram:

@@ -61,6 +61,18 @@ def test_ram_is_shared_then_another_gpu_then_disk():
     assert params(plan) == {"diffusion": "cpu", "te": "cuda1", "vae": "disk"}
 
 
+def test_a_split_module_counts_its_full_size_on_each_of_its_gpus():
+    split = ComponentNeed("diffusion", "diffusion", "cuda0", 10 * GIB, 100 * MIB, split=("cuda1",))
+    te = need("te", 5, compute="cuda1")
+    # 10 GiB + 2 GiB reserve fit on both GPUs: resident; cuda1 keeps 6 GiB, too little for 5 + 2 GiB of te
+    plan = plan_placements([split, te], {"cuda0": 16 * GIB, "cuda1": 16 * GIB}, 64 * GIB)
+    assert params(plan) == {"diffusion": "device", "te": "cpu"}
+    assert "cuda0 and cuda1" in plan.choices[0].reason
+    # too small for the full size on cuda1, though the split halves would fit: offloaded (reference/000)
+    plan = plan_placements([split], {"cuda0": 16 * GIB, "cuda1": 8 * GIB}, 64 * GIB)
+    assert params(plan) == {"diffusion": "cpu"}
+
+
 def test_cpu_compute_uses_ram_or_disk_and_reserves_no_gpu_room():
     plan = plan_placements([need("diffusion", 5, compute="cpu"), need("te", 11, compute="cuda0")],
                            {"cuda0": 12 * GIB}, 6 * GIB)
