@@ -409,7 +409,7 @@ class MemoryRuntime:
         ledger = part.runner.ledger
         for key in part.keys:
             ledger.release(name, "weights", key)
-        ledger.release(name, "workspace", "segments")
+        part.runner.release()
 
     def bind_lifetime(self, owner: Any, names: Sequence[str]) -> None:
         """Unregister `names` when `owner` (what the bundle and its clones share) is garbage-collected."""

@@ -12,7 +12,8 @@ stream ring (`stream_ring.py`). The runner here executes a plan:
   on the compute stream just before it runs.
 
 Workspace (everything a call allocates besides weights: the state carried between stages, such as a UNet's
-skip connections, and each stage's temporaries) is measured on the first call of each input shape: on CUDA
+skip connections, and each stage's temporaries) is measured on the first call of each input shape, which
+on CUDA is planned as if the workspace took half of what the module can use: on CUDA
 the peak of `torch.cuda.max_memory_allocated` over every stage, less the weights the ledger tracks, less
 what was allocated before the call; on other devices (no allocator report) twice the largest tensor seen in
 the stage states. The same call times each stage (CUDA events, or the wall clock on a CPU), and the plan is
@@ -44,7 +45,7 @@ from engine.devices import device_name
 from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
 from engine.memory.stream_ring import StreamRing
-from engine.memory.weight_store import WeightStore
+from engine.memory.weight_store import WeightStore, aligned
 from engine.models.staged import Stage, State
 
 __all__ = ["Segment", "SegmentPlan", "SegmentRunner", "plan_segments"]
@@ -228,6 +229,14 @@ class SegmentRunner:
         signature = _shape_signature(state)
         measuring = signature not in self._workspace
         workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
+        if measuring and self.device.type == "cuda":
+            # the call that measures the workspace assumes it may take half of what the module can use,
+            # so that a first call whose activations are far larger than its inputs (a UNet's skips and
+            # attention) still stays within the budget: more streams once, then the plan is remade
+            capacity = self._capacity()
+            largest = max((sum(aligned(self.store.nbytes(k)) for k in keys if self.store.home(k) != "device")
+                           for keys in stage_keys), default=0)
+            workspace = max(workspace, min(capacity // 2, capacity - largest))
         plan = self._plan_for(stages, stage_keys, workspace, signature)
         if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
             return self._run_eager(plan, stages, state, signature, measuring)
@@ -321,6 +330,13 @@ class SegmentRunner:
                              index=segment.index, stages=(segment.start, segment.stop),
                              weight_bytes=segment.weight_bytes)
             self.bus.publish("segment_end", device=self._device_name, module=self.module, index=segment.index)
+
+    def release(self) -> None:
+        """Give back everything the runner holds on the device: its graph, stream ring and workspace."""
+        self._drop_graph()
+        self._drop_ring()
+        if self.module is not None:
+            self.ledger.release(self.module, "workspace", WORKSPACE_KEY)
 
     def reset_graph(self) -> None:
         """Drop the captured graph (settings that the capture baked in changed)."""

@@ -306,3 +306,19 @@ def test_plain_values_of_the_state_choose_their_own_plan():
     for skip in (1, 1, 2):  # a different plain value (a clip skip, a flag) is a different call to plan for
         runner.run(model.stages(), {"x": x, "skip": skip})
     assert [p["cached"] for p in events.of_kind("plan")] == [False, False, False]
+
+
+def test_an_unregistered_module_leaves_nothing_tracked_not_even_its_stream_ring():
+    from engine.memory.runtime import MemoryRuntime
+
+    bus = EventBus()
+    ledger = DeviceLedger("cpu", TIGHT, bus=bus)
+    runtime = MemoryRuntime(bus=bus, ledgers={"cpu": ledger})
+    _, weights = reference_weights(WIDTH, DEPTH)
+    model = ToyStaged(WIDTH, DEPTH)
+    name = runtime.register("diffusion", model, "cpu", "cpu", weights.__getitem__)
+    for _ in range(2):
+        runtime.run(name, model, model.stages(), {"x": torch.randn(4, WIDTH)})
+    assert ledger.tracked("diffusion", "workspace") > 0  # the idle stream ring
+    runtime.unregister(name)
+    assert ledger.tracked() == 0
