@@ -41,6 +41,7 @@ from torch import nn
 from engine import telemetry
 from engine.devices import ComputeDevice, device_name, list_devices, resolve_device
 from engine.memory.attention_probe import attention_backends, flash_attention_enabled
+from engine.memory.conv_probe import conv_backends, conv_direct_enabled
 from engine.memory.layer_split import (
     NoLayerSplit,
     SplitViews,
@@ -55,6 +56,7 @@ from engine.memory.segments import SegmentRunner
 from engine.memory.weight_store import HOMES, Source, WeightStore
 from engine.models.staged import Stage, State
 from engine.placement import (
+    CONV_DIRECT_MODULES,
     FLASH_ATTN_MODULES,
     LAYER_SPLIT_MODULES,
     MODES,
@@ -162,7 +164,7 @@ class MemoryRuntime:
         self.published_plan: str | None = None  # the last auto-fit plan announced (printed once)
         self._own_ledgers: set[str] = set()
         self._modules: dict[str, _Module] = {}
-        self._flash: dict[tuple, bool] = {}  # (kind, --flash-attn, dtype, devices) -> flash attention on
+        self._backend_choices: dict[tuple, bool] = {}  # flash attention and direct convolution choices
         self._split_modes: dict[str, str] = {}  # module -> split mode of its last resolved placement
         self._lock = threading.RLock()
 
@@ -433,7 +435,8 @@ class MemoryRuntime:
         (on the main device when the module is layer-split)."""
         module = self._module(name)
         stages = _with_aliases(stages, module.aliases)
-        with attention_backends(self._flash_attention(module, model)):
+        flash, conv = self._flash_attention(module, model), self._conv_direct(module, model)
+        with attention_backends(flash), conv_backends(conv):
             if module.split != "layer":
                 state = self._run_part(module, module.parts[0], stages, state)
             else:
@@ -462,12 +465,26 @@ class MemoryRuntime:
             return True
         dtype = next(model.parameters()).dtype
         key = (module.kind, self.settings.flash_attn, dtype, module.devices)
-        if key not in self._flash:
+        if key not in self._backend_choices:
             modes = parse_modes(self.settings.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
             mode = modes.get(module.kind, modes.get("*", "auto"))
             enabled = (flash_attention_enabled(d.torch_device, mode, dtype) for d in module.devices)
-            self._flash[key] = all(enabled)
-        return self._flash[key]
+            self._backend_choices[key] = all(enabled)
+        return self._backend_choices[key]
+
+    def _conv_direct(self, module: _Module, model: nn.Module) -> bool | None:
+        """--conv-direct for the module's kind as cuDNN autotuning (conv_probe.py; auto: probed once per
+        device); None for kinds without the choice (the global setting stays)."""
+        if module.kind not in CONV_DIRECT_MODULES:
+            return None
+        dtype = next(model.parameters()).dtype
+        key = ("conv", module.kind, self.settings.conv_direct, dtype, module.devices)
+        if key not in self._backend_choices:
+            modes = parse_modes(self.settings.conv_direct, "--conv-direct", MODES, CONV_DIRECT_MODULES)
+            mode = modes.get(module.kind, modes.get("*", "auto"))
+            enabled = (conv_direct_enabled(d.torch_device, mode, dtype) for d in module.devices)
+            self._backend_choices[key] = all(enabled)
+        return self._backend_choices[key]
 
     def release(self, name: str) -> int:
         """Drop module `name`'s unpinned device replicas; returns the bytes freed."""
