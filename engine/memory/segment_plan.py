@@ -9,8 +9,10 @@ Otherwise each stage gets a role (reference/001 "graph-cut segments", edge-dit's
 
 The ring holds at least two of the largest stages, and up to an eighth of the room (at most RING_TARGET);
 with room for two streamed segments the copy of the next segments overlaps the current one's compute
-(double buffering and deeper). Resident bytes = capacity - workspace - ring, so the bytes streamed
-per call are the weights - that, the least any plan can stream plus the ring. Which stages stream is chosen
+(double buffering and deeper). With less room than two of the largest stages the whole room is the ring,
+cut into halves: stages larger than half of it stream alone, the others still overlap. Resident bytes =
+capacity - workspace - ring, so the bytes streamed per call are the weights - that, the least any plan can
+stream plus the ring. Which stages stream is chosen
 so that streamed bytes are spread over the call in proportion to the stages' compute time (measured on
 the first call of an input shape; uniform before): the copy engine then runs beside compute from the
 first stage to the last instead of stalling compute where streamed stages cluster.
@@ -99,6 +101,8 @@ def plan_segments(
     if overlap and room >= 2 * largest:
         ring = min(room, max(2 * largest, min(ring_target, room // 8)))
         chunk = max(largest, ring // 3)
+    elif overlap:  # too little room to double-buffer the largest stage: the smaller ones still can
+        ring, chunk = room, room // 2
     else:
         ring = min(room, max(largest, min(ring_target, room // 8) // 2))
         chunk = ring

@@ -322,3 +322,16 @@ def test_an_unregistered_module_leaves_nothing_tracked_not_even_its_stream_ring(
     assert ledger.tracked("diffusion", "workspace") > 0  # the idle stream ring
     runtime.unregister(name)
     assert ledger.tracked() == 0
+
+
+def test_below_room_for_two_large_stages_the_small_ones_still_overlap():
+    # one block four times the others: room for it plus a little, not for two of it
+    stages, weights = toy_stages(8)
+    weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
+    budget = 5 * BLOCK_BYTES + WORKSPACE
+    plan = plan_segments(stages, weights, WORKSPACE, budget)
+    streamed = check_plan(plan, budget)
+    big = next(s for s in streamed if s.start <= 3 < s.stop)
+    assert big.stop - big.start == 1  # streams alone
+    small_pairs = [(a, b) for a, b in zip(streamed, streamed[1:], strict=False) if big not in (a, b)]
+    assert small_pairs and all(a.index not in b.waits for a, b in small_pairs)
