@@ -147,6 +147,18 @@ class DeviceLedger:
         tracked = self.tracked()
         return min(free_then - (tracked - tracked_then), total - tracked)
 
+    def headroom(self) -> int:
+        """min(budget - tracked, live free - reserve): negative when the device is already over a limit
+        (a lowered budget, another process's allocations), so that freeing X bytes gains less than X."""
+        with self._lock:
+            limits = []
+            if self.budget_bytes is not None:
+                limits.append(self.budget_bytes - self.tracked())
+            free = self.free()
+            if free is not None:
+                limits.append(free - self.reserve_bytes)
+            return min(limits)
+
     def available(self) -> int:
         """Bytes a new allocation may take: min(budget - tracked, live free - reserve), never negative."""
         with self._lock:

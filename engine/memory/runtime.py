@@ -186,7 +186,7 @@ class MemoryRuntime:
                     continue  # split parts never segment or prefetch (reference/000)
                 module.runner.prefetch = settings.prefetch and module.device.torch_device.type == "cuda"
                 module.runner.segmented = settings.segmented
-                module.runner.graphs = settings.cuda_graphs != "off"
+                module.runner.graphs = settings.cuda_graphs != "off" and module.split != "row"
                 module.runner.reset_graph()  # a capture bakes in the attention backends and budgets
 
     def resolve_placement(
@@ -381,6 +381,7 @@ class MemoryRuntime:
         try:
             shard_transformer_linears(model, [d.torch_device for d in devices], fractions, source, reserve)
             entry.parts.append(self._register_part(entry.name, model, home, devices[0], source, split=False))
+            entry.parts[-1].runner.graphs = False  # row shards run on other GPUs' streams, outside a capture
         except BaseException:
             self._drop_shards(entry)
             raise
@@ -581,7 +582,7 @@ def _current(device: ComputeDevice) -> contextlib.AbstractContextManager:
 
 def _process_part(settings: MemorySettings) -> tuple:
     return (settings.max_vram, settings.prefetch, settings.segmented, settings.vae_tiling,
-            settings.cuda_graphs)
+            settings.cuda_graphs, settings.flash_attn, settings.conv_direct)
 
 
 def _unregister_all(runtime_ref: Callable[[], MemoryRuntime | None], names: tuple[str, ...]) -> None:

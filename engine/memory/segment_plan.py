@@ -136,7 +136,7 @@ def _streamed_stages(
         if size:
             ahead = streamed_bytes + size - pace  # bytes streamed beyond the pace if this stage streams
             stream = not fits or ahead <= (run // 2 if stream else -(run // 2))
-        roles.append(stream and size > 0)
+        roles.append(stream)  # a weight-free stage keeps the role around it: it does not cut a run
         if stream:
             streamed_bytes += size
         else:

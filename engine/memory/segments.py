@@ -287,11 +287,20 @@ class SegmentRunner:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         unsubscribe = self.bus.subscribe(record)
+        copies_before = self.store.copies
         try:
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the GUI thread polls meanwhile
                 output = self._run_eager(plan, stages, inputs, key[0], False)
+        except BaseException:
+            self._forget_captured_copies()
+            raise
         finally:
             unsubscribe()
+        if (self.store.copies, self.store.generation, self._ring_serial) != (copies_before, *key[2:4]):
+            # the capture copied weights in or evicted some (room got tighter): those copies were only
+            # recorded, never run, so nothing it touched may be trusted
+            self._forget_captured_copies()
+            raise RuntimeError("weights moved while the call was captured")
         self._graph = _Graph(graph, static, output, key, copies)
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
         self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
@@ -337,6 +346,15 @@ class SegmentRunner:
         self._drop_ring()
         if self.module is not None:
             self.ledger.release(self.module, "workspace", WORKSPACE_KEY)
+
+    def _forget_captured_copies(self) -> None:
+        """After a capture that failed or moved weights: drop this module's replicas and the ring, whose
+        copies a capture only records, so that the next call copies them again for real."""
+        self._graph = None
+        self._held.clear()
+        self._ready = None
+        self._drop_ring()
+        self.store.release_module(self.module)
 
     def reset_graph(self) -> None:
         """Drop the captured graph (settings that the capture baked in changed)."""
@@ -406,8 +424,8 @@ class SegmentRunner:
     def _hold(self, keys: Sequence[str]) -> None:
         """Acquire, bind and pin `keys` for the segment about to compute."""
         missing = [k for k in keys if not self.store.is_bound(k)]
-        if missing:
-            self.store.bind_keys(missing, self.store.acquire(missing, self.device))
+        if missing:  # acquire them all: what is bound already is protected from the eviction this may do
+            self.store.bind_keys(missing, self.store.acquire(keys, self.device))
         self.store.pin(keys)
         self._pinned = list(keys)
 
@@ -546,7 +564,8 @@ class SegmentRunner:
         """What this module can use: free budget plus everything eviction could reclaim (its own ring and
         workspace included, since a new plan replaces them)."""
         own = self.ledger.tracked(self.module, "workspace") if self.module else 0
-        return self.ledger.available() + self.store.evictable_bytes(self.device) + own - self._idle_own()
+        evictable = self.store.evictable_bytes(self.device) + own - self._idle_own()
+        return max(0, self.ledger.headroom() + evictable)  # headroom may be negative: over the limit
 
     def _idle_own(self) -> int:
         """This module's idle workspaces, which `evictable_bytes` already counts."""

@@ -107,6 +107,7 @@ class WeightStore:
         self._arenas: dict[str, torch.Tensor] = {}  # module -> its cpu-home weights' host arena (uint8)
         self._offloaded: dict[str, int] = {}  # module -> bytes of its cpu and disk homes
         self._replicas: dict[str, int] = {}  # module -> bytes of its replicas now
+        self.copies = 0  # counts replica groups copied in (a captured call must copy none)
         self._clock = 0
         self.generation = 0  # counts evictions: a runner whose weights were all bound at generation g
         # knows they still are while the generation is g
@@ -380,6 +381,7 @@ class WeightStore:
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             buffer = torch.empty(sum(aligned(w.nbytes) for w in order), dtype=torch.uint8, device=device)
         group = _Group(order)
+        self.copies += 1
         runs: list[list] = []  # [arena, host offset, buffer offset, bytes]
         cursor = 0
         for weight in order:
