@@ -188,6 +188,7 @@ class MemoryModel:
             "whole": bool(event.get("whole", False)),
             "workspace": int(event.get("workspace", 0)),
             "capacity": int(event.get("capacity", 0)),
+            "ring": int(event.get("ring", 0) or 0),  # stream ring bytes (0: nothing streams)
             "segments": [
                 {"index": index, "start": start, "stop": stop, "weight_bytes": int(nbytes),
                  "streamed": bool(streamed[index]) if index < len(streamed) else False,

@@ -179,6 +179,8 @@ class SegmentBar(QWidget):
         kind = "one segment (fits whole)" if self.plan["whole"] else f"{len(segments)} segments"
         header = (f"{self.plan['module']} on {self.plan['device']}: {kind}, workspace "
                   f"{format_bytes(self.plan['workspace'])}")
+        if self.plan.get("ring"):
+            header += f", stream ring {format_bytes(self.plan['ring'])} (underlined segments stream)"
         painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, header)
         x, legend_x = 8.0, 8.0
         stages = max(1, segments[-1]["stop"] - segments[0]["start"])
@@ -188,6 +190,9 @@ class SegmentBar(QWidget):
             painter.setPen(QPen(QColor(BACKGROUND), 1.5))
             painter.setBrush(QColor(SEGMENT_COLORS.get(segment["state"], OTHER_MODULE_COLOR)))
             painter.drawRoundedRect(box.adjusted(1, 0, -1, 0), 3, 3)
+            if segment.get("streamed"):  # copied through the ring on every call
+                painter.fillRect(QRectF(box.left() + 2, box.bottom() - 3, box.width() - 4, 3),
+                                 QColor(SEGMENT_COLORS["prefetching"]))
             label = f"{segment['index']}: {format_bytes(segment['weight_bytes'])}"
             if painter.fontMetrics().horizontalAdvance(label) > box.width() - 6:
                 label = str(segment["index"])

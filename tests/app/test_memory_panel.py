@@ -115,7 +115,8 @@ def test_a_queued_segment_copy_marks_that_segment_prefetching_until_it_computes(
     model = MemoryModel()
     publish = [
         ("plan", {"device": "cuda0", "module": "diffusion", "whole": False, "workspace": 10, "capacity": 100,
-                  "segments": [(0, 2, 40), (2, 4, 40), (4, 5, 20)], "streamed": [False, True, True]}),
+                  "segments": [(0, 2, 40), (2, 4, 40), (4, 5, 20)], "streamed": [False, True, True],
+                  "ring": 40}),
         ("segment_start", {"device": "cuda0", "module": "diffusion", "index": 0}),
         ("transfer", {"device": "cuda0", "module": "diffusion", "key": "segment 2", "bytes": 5 * 10**8,
                       "direction": "h2d", "seconds": 0.01, "stream": "<side stream>"}),
@@ -124,6 +125,8 @@ def test_a_queued_segment_copy_marks_that_segment_prefetching_until_it_computes(
         model.handle(Event(kind, 10.0 + t * 0.1, fields))
     snapshot = model.snapshot()
     assert [s["state"] for s in snapshot["plan"]["segments"]] == ["computing", "evicted", "prefetching"]
+    assert [s["streamed"] for s in snapshot["plan"]["segments"]] == [False, True, True]
+    assert snapshot["plan"]["ring"] == 40
     for t, (kind, index) in enumerate((("segment_end", 0), ("segment_start", 2), ("segment_end", 2))):
         model.handle(Event(kind, 11.0 + t * 0.1, {"module": "diffusion", "index": index}))
     # a resident segment stays resident after computing; a streamed one gives its ring bytes back
