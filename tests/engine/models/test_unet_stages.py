@@ -129,3 +129,20 @@ def test_a_layer_without_a_stage_runner_is_named_in_the_error():
     model.middle_block.append(nn.ReLU())
     with pytest.raises(TypeError, match=r"'middle_block.3' of type ReLU; accepted: ResBlock"):
         model.stages()
+
+
+def test_feed_forward_in_token_chunks_equals_one_pass(monkeypatch):
+    from engine.models import unet
+
+    torch.manual_seed(0)
+    ff = unet.FeedForward(64)
+    x = torch.randn(2, 301, 64)  # 602 tokens: chunks of unequal size
+    whole = ff.net(x)
+    projection = 602 * ff.net[0].proj.out_features * 4
+    monkeypatch.setattr(unet, "FF_CHUNK_BYTES", projection // 8)  # 8 chunks
+    calls = []
+    ff.net.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    chunked = ff(x)
+    assert len(calls) == 8 and sum(calls) == 602
+    assert chunked.shape == whole.shape
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
