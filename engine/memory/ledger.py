@@ -36,6 +36,7 @@ class BudgetExceeded(MemoryError):
 class _Allocation:
     nbytes: int
     idle: bool = False  # workspaces only: not in use, reclaimable
+    pooled: bool = False  # held in a private allocator pool that the free-memory report counts as free
 
 
 def resolve_budget(
@@ -134,8 +135,19 @@ class DeviceLedger:
             return
         total, free = self.free_memory_fn()
         with self._lock:
-            self._live = (total, free, self.tracked())
+            pooled = sum(a.nbytes for a in self._tracked.values() if a.pooled)
+            self._live = (total, max(0, free - pooled), self.tracked())
             self._refreshed_at = now
+
+    def mark_pooled(self, module: str, kind: str, key: str) -> None:
+        """The tracked bytes of (module, kind, key) sit in a private allocator pool (a CUDA graph's): the
+        report counts that pool's unused blocks as free though nothing else can use them, so each refresh
+        takes them off again."""
+        with self._lock:
+            allocation = self._tracked.get((module, kind, key))
+            if allocation is not None:
+                allocation.pooled = True
+                self._live = None  # the next reading applies it
 
     def free(self) -> int | None:
         """Live free bytes (capped by total minus tracked), or None without a free-memory report."""

@@ -303,6 +303,7 @@ class SegmentRunner:
             raise RuntimeError("weights moved while the call was captured")
         self._graph = _Graph(graph, static, output, key, copies)
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
+        self.ledger.mark_pooled(self.module, "workspace", GRAPH_KEY)
         self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
         self.ledger.set_idle(self.module, GRAPH_KEY)
         return self._replay(self._graph, plan, state)

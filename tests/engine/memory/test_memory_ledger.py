@@ -94,6 +94,23 @@ def test_budget_and_live_free_memory_both_limit():
     assert roomy.available() == 2 * GIB
 
 
+def test_a_pooled_workspace_is_not_counted_free_again_by_the_next_report():
+    # the report counts a CUDA graph pool's unused blocks as free; the ledger tracks that pool as a workspace
+    report = {"free": 6 * GIB}
+    ledger, _ = make_ledger(None, reserve_bytes=0, free_memory_fn=lambda: (8 * GIB, report["free"]))
+    ledger.refresh()
+    ledger.allocate("diffusion", "workspace", "cuda_graph", 1 * GIB)  # the capture took 1 GiB of the 6
+    assert ledger.available() == 5 * GIB
+    ledger.mark_pooled("diffusion", "workspace", "cuda_graph")
+    ledger.set_idle("diffusion", "cuda_graph")
+    report["free"] = 6 * GIB  # the graph's activations are freed into its pool: reported free again
+    ledger.refresh()
+    assert ledger.available() == 5 * GIB
+    ledger.release("diffusion", "workspace", "cuda_graph")  # the graph is dropped: its pool is free for real
+    ledger.refresh()
+    assert ledger.available() == 6 * GIB
+
+
 def test_available_is_never_negative():
     ledger, _ = make_ledger(None, reserve_bytes=512 * MIB, free_memory_fn=lambda: (8 * GIB, 100 * MIB))
     assert ledger.available() == 0 and not ledger.would_fit(1)
