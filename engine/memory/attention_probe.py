@@ -18,7 +18,7 @@ import logging
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -76,26 +76,32 @@ def _timed(device: torch.device, work: Callable[[], torch.Tensor]) -> float:
     return time.perf_counter() - began
 
 
+def interleaved_medians(device: torch.device, runs: Mapping[str, Callable[[], object]]) -> dict[str, float]:
+    """Median seconds of each named run: one warm-up each, then MEASUREMENTS interleaved rounds (no new
+    round once MEASURE_LIMIT_S of measured time has passed). Shared by the flash and convolution probes."""
+    for work in runs.values():
+        _timed(device, work)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    measured = 0.0
+    for _ in range(MEASUREMENTS):
+        if measured > MEASURE_LIMIT_S:
+            break
+        for name, work in runs.items():
+            seconds = _timed(device, work)
+            times[name].append(seconds)
+            measured += seconds
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def benchmark_flash(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """(sum of flash medians, sum of ordinary medians) in seconds over the probe shapes."""
     flash_total = ordinary_total = 0.0
-    measured = 0.0
     for tokens, head_dim in PROBE_SHAPES:
         qkv = _inputs(device, dtype, tokens, head_dim)
-        runs = {"flash": (lambda t=qkv: _run(t, [SDPBackend.FLASH_ATTENTION])),
-                "ordinary": (lambda t=qkv: _run(t, [SDPBackend.MATH]))}
-        for work in runs.values():
-            _timed(device, work)  # warm-up
-        times: dict[str, list[float]] = {"flash": [], "ordinary": []}
-        for _ in range(MEASUREMENTS):
-            if measured > MEASURE_LIMIT_S and times["flash"]:
-                break
-            for name, work in runs.items():  # interleaved pairs
-                seconds = _timed(device, work)
-                times[name].append(seconds)
-                measured += seconds
-        flash_total += statistics.median(times["flash"])
-        ordinary_total += statistics.median(times["ordinary"])
+        medians = interleaved_medians(device, {"flash": lambda t=qkv: _run(t, [SDPBackend.FLASH_ATTENTION]),
+                                               "ordinary": lambda t=qkv: _run(t, [SDPBackend.MATH])})
+        flash_total += medians["flash"]
+        ordinary_total += medians["ordinary"]
     return flash_total, ordinary_total
 
 

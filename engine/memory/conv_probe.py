@@ -10,26 +10,26 @@ every call would cost more than it saves.
 "auto" is decided once per compute device and dtype and cached, as reference/000 describes: other devices
 than CUDA default to off; on CUDA a probe over two convolution shapes (a UNet's 3x3 at 64x64 with 320
 channels, a VAE decoder's 3x3 at 256x256 with 128) checks that both settings agree, warms both up (the
-autotuning happens there), then alternates five synchronized measurements per shape; autotuning is chosen
-when the sum of its median times is at least 5 % lower. Any failure selects off.
+autotuning happens there), then alternates up to five synchronized measurements per shape (attention_probe's
+`interleaved_medians`); autotuning is chosen when the sum of its median times is at least 5 % lower. Any
+failure selects off.
 """
 
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from engine.memory.attention_probe import interleaved_medians
+
 log = logging.getLogger("sluice.conv")
 
 PROBE_SHAPES = ((2, 320, 64), (1, 128, 256))  # (batch, channels, side) of a 3x3 convolution
-MEASUREMENTS = 5
 MIN_GAIN = 0.05
 
 _decisions: dict[tuple[str, torch.dtype], bool] = {}
@@ -82,24 +82,16 @@ def _benchmark(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
         x = torch.randn(batch, channels, side, side, generator=generator).to(device, dtype)
         weight = (torch.randn(channels, channels, 3, 3, generator=generator) / (9 * channels) ** 0.5
                   ).to(device, dtype)
-        outputs = {}
-        for tuned in (True, False):  # warm-up, which autotunes
-            with conv_backends(tuned):
-                outputs[tuned] = F.conv2d(x, weight, padding=1).float()
-                torch.cuda.synchronize(device)
-        if not torch.allclose(outputs[True], outputs[False], atol=2e-2, rtol=2e-2):
+
+        def conv(tuned: bool, x: torch.Tensor = x, weight: torch.Tensor = weight) -> torch.Tensor:
+            with conv_backends(tuned):  # the first autotuned call of a shape times every algorithm
+                return F.conv2d(x, weight, padding=1)
+
+        if not torch.allclose(conv(True).float(), conv(False).float(), atol=2e-2, rtol=2e-2):
             raise RuntimeError("autotuned and heuristic convolutions disagree")
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for _ in range(MEASUREMENTS):
-            for tuned in (True, False):
-                with conv_backends(tuned):
-                    torch.cuda.synchronize(device)
-                    began = time.perf_counter()
-                    F.conv2d(x, weight, padding=1)
-                    torch.cuda.synchronize(device)
-                    times[tuned].append(time.perf_counter() - began)
-        tuned_total += statistics.median(times[True])
-        heuristic_total += statistics.median(times[False])
+        medians = interleaved_medians(device, {"tuned": lambda: conv(True), "heuristic": lambda: conv(False)})
+        tuned_total += medians["tuned"]
+        heuristic_total += medians["heuristic"]
     return tuned_total, heuristic_total
 
 

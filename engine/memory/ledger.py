@@ -91,6 +91,7 @@ class DeviceLedger:
         self.peak_tracked = 0
         self._lock = threading.RLock()
         self._tracked: dict[tuple[str, str, str], _Allocation] = {}  # (module, kind, key) -> allocation
+        self._workspaces: dict[tuple[str, str], _Allocation] = {}  # (module, key): the workspaces of _tracked
         self._live: tuple[int, int, int] | None = None  # (total, free, tracked) at the last refresh
         self._on_release: dict[tuple[str, str, str], Callable[[], None]] = {}
         self._refreshed_at = 0.0
@@ -114,6 +115,8 @@ class DeviceLedger:
         with self._lock:
             if module is None:
                 return self._total if kind is None else self._by_kind.get(kind, 0)
+            if kind == "workspace":
+                return sum(a.nbytes for (m, _), a in self._workspaces.items() if m == module)
             return sum(
                 a.nbytes
                 for (m, k, _), a in self._tracked.items()
@@ -135,7 +138,7 @@ class DeviceLedger:
             return
         total, free = self.free_memory_fn()
         with self._lock:
-            pooled = sum(a.nbytes for a in self._tracked.values() if a.pooled)
+            pooled = sum(a.nbytes for a in self._workspaces.values() if a.pooled)
             self._live = (total, max(0, free - pooled), self.tracked())
             self._refreshed_at = now
 
@@ -206,6 +209,8 @@ class DeviceLedger:
                 existing.nbytes = nbytes
             else:
                 self._tracked[(module, kind, key)] = _Allocation(nbytes)
+                if kind == "workspace":
+                    self._workspaces[(module, key)] = self._tracked[(module, kind, key)]
             self._count(kind, delta)
             self.peak_tracked = max(self.peak_tracked, self.tracked())
             self._publish(module, kind, key, delta)
@@ -222,9 +227,7 @@ class DeviceLedger:
     def idle_workspaces(self) -> list[tuple[str, str, int]]:
         """(module, key, bytes) of every idle workspace, oldest first."""
         with self._lock:
-            return [
-                (m, key, a.nbytes) for (m, k, key), a in self._tracked.items() if k == "workspace" and a.idle
-            ]
+            return [(m, key, a.nbytes) for (m, key), a in self._workspaces.items() if a.idle]
 
     def on_release(self, module: str, kind: str, key: str, callback: Callable[[], None]) -> None:
         """Call `callback` when (module, kind, key) is next released, by its owner or by eviction: the owner
@@ -236,6 +239,8 @@ class DeviceLedger:
         """Stop tracking (module, kind, key); returns the bytes released (0 if it was not tracked)."""
         with self._lock:
             allocation = self._tracked.pop((module, kind, key), None)
+            if kind == "workspace":
+                self._workspaces.pop((module, key), None)
             callback = self._on_release.pop((module, kind, key), None)
             if allocation is not None:
                 self._count(kind, -allocation.nbytes)

@@ -208,10 +208,6 @@ class SegmentRunner:
     def ring_bytes(self) -> int:
         return 0 if self._ring is None else self._ring.nbytes
 
-    def is_ready(self) -> bool:
-        """The last plan is whole and every weight of it is still bound: the next run copies nothing."""
-        return self.plan is not None and self._ready == (id(self.plan), self.store.generation)
-
     def _resident_keys(self, plan: SegmentPlan) -> frozenset[str]:
         if self._resident is None or self._resident[0] != id(plan):
             keys = frozenset(k for s in plan.segments if not s.streamed for k in s.keys)
@@ -461,19 +457,21 @@ class SegmentRunner:
         )
 
     def _end(self, segment: Segment) -> None:
-        if self._bound_ring is not None:
-            self._ring.rest(self.plan, self._bound_ring, self._resident_keys(self.plan))
-            self._bound_ring = None
-        if self._pinned:
-            self.store.unpin(self._pinned)
-            self._pinned = []
-        self._computing = None
+        self._let_go()
         self.bus.publish(
             "segment_end", device=self._device_name, module=self.module, index=segment.index
         )
 
     def _abandon(self) -> None:
         """After a run (or a failure): unbind ring views, unpin, mark the workspaces idle."""
+        self._let_go()
+        self._issued.clear()
+        self.ledger.release(self.module, "workspace", WORKSPACE_KEY)
+        if self._ring is not None:
+            self.ledger.set_idle(self.module, RING_KEY)
+
+    def _let_go(self) -> None:
+        """The segment that computed (or failed) gives back its ring views and pins."""
         if self._bound_ring is not None and self._ring is not None:
             self._ring.rest(self.plan, self._bound_ring, self._resident_keys(self.plan))
         self._bound_ring = None
@@ -481,10 +479,6 @@ class SegmentRunner:
             self.store.unpin(self._pinned)
             self._pinned = []
         self._computing = None
-        self._issued.clear()
-        self.ledger.release(self.module, "workspace", WORKSPACE_KEY)
-        if self._ring is not None:
-            self.ledger.set_idle(self.module, RING_KEY)
 
     # ------------------------------------------------------------------------------------------ memory
 
@@ -532,7 +526,7 @@ class SegmentRunner:
     def snapshot(self) -> dict:
         """The current plan with each segment's state: resident, prefetching, computing or evicted."""
         if self.plan is None:
-            return {"module": self.module, "device": device_name(self.device), "segments": []}
+            return {"module": self.module, "device": self._device_name, "segments": []}
         rows = []
         for segment in self.plan.segments:
             if segment.index == self._computing:
@@ -554,7 +548,7 @@ class SegmentRunner:
             )
         return {
             "module": self.module,
-            "device": device_name(self.device),
+            "device": self._device_name,
             "whole": self.plan.whole,
             "workspace_bytes": self.plan.workspace_bytes,
             "ring_bytes": self.plan.ring_bytes,

@@ -151,7 +151,6 @@ class StreamRing:
                 f"segment {segment.index} needs {cursor - segment.ring_offset} ring bytes, "
                 f"the plan gave it {segment.ring_bytes}"
             )
-        runs = [(a, h, r, min(n, self.nbytes - r, a.numel() - h)) for a, h, r, n in runs]
         shared = [k for k in candidates if k in resident]
         layout = _Layout(binds, rests, shared, runs, reads, sum(self.store.layout(k)[2] for k in keys))
         self._layouts[(id(plan), segment.index)] = layout

@@ -20,9 +20,10 @@ Models are built on the `meta` device; `register_model` records for each paramet
 owns it, and `bind_stage_weights` / `unbind_stage_weights` swap the owner's `_parameters` entry between
 the replica and a meta placeholder, so a stage computes on store-owned tensors. A replica stays bound
 until it is evicted, so a module whose weights stay resident runs with no per-call binding work; tensors
-that are valid only while a segment computes (a segment runner's stream buffer) are bound with
-`bind_parameter` and put back with `rest`. Parameter objects are made once per tensor and reused. Keys are
-`"<module>/<parameter name>"`; the source is called with the parameter name (the checkpoint key).
+that are valid only while a segment computes (a segment runner's stream buffer) are assigned into the
+places that `places` lists, which get their resting parameter back after. Parameter objects are made once
+per tensor and reused. Keys are `"<module>/<parameter name>"`; the source is called with the parameter
+name (the checkpoint key).
 RAM held by cpu homes is not tracked by a ledger here; only compute-device memory is.
 """
 
@@ -108,6 +109,8 @@ class WeightStore:
         self._offloaded: dict[str, int] = {}  # module -> bytes of its cpu and disk homes
         self._replicas: dict[str, int] = {}  # module -> bytes of its replicas now
         self.copies = 0  # counts replica groups copied in (a captured call must copy none)
+        self._pins = 0  # pins held now, over every weight
+        self._evictable_cache: tuple[tuple, list[_Weight]] | None = None  # (state it was found in, replicas)
         self._clock = 0
         self.generation = 0  # counts evictions: a runner whose weights were all bound at generation g
         # knows they still are while the generation is g
@@ -303,21 +306,6 @@ class WeightStore:
         weight = self._weight(key)
         return [(owner._parameters, attribute, weight.resting) for owner, attribute in weight.places]
 
-    def bind_parameter(self, key: str, parameter: nn.Parameter) -> None:
-        """Make `parameter` (a device tensor valid for one segment) the weight in every place; see `rest`."""
-        weight = self._weight(key)
-        for owner, attribute in weight.places:
-            owner._parameters[attribute] = parameter
-        weight.bound = False  # not a replica: eviction has nothing to unbind
-
-    def rest(self, keys: Iterable[str]) -> None:
-        """Put the weights back to what the owners hold at rest: a bound replica, else home tensor or meta."""
-        for key in keys:
-            weight = self._weights[key]
-            parameter = weight.replica_parameter if weight.bound else weight.resting
-            for owner, attribute in weight.places:
-                owner._parameters[attribute] = parameter
-
     def is_resident(self, key: str) -> bool:
         """Whether the weight is on its compute device now (device home, or a replica)."""
         weight = self._weight(key)
@@ -430,6 +418,7 @@ class WeightStore:
         """Protect the keys' replicas from eviction (counted: pin twice, unpin twice)."""
         for key in keys:
             self._weight(key).pins += 1
+            self._pins += 1
 
     def unpin(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -437,6 +426,7 @@ class WeightStore:
             if weight.pins == 0:
                 raise WeightStoreError(f"weight {key!r} is not pinned")
             weight.pins -= 1
+            self._pins -= 1
 
     def evict_until_fits(self, nbytes: int, device: torch.device | str, protect: Collection[str] = ()) -> int:
         """Free room for `nbytes` on `device` (reference/001 order); returns the bytes freed.
@@ -488,10 +478,11 @@ class WeightStore:
 
     def bind_stage_weights(self, stage: Stage, tensors: Mapping[str, torch.Tensor]) -> None:
         """Make the tensors (from `acquire`) the parameters of the stage's modules."""
-        for key in self.stage_keys(stage):
-            if key not in tensors:
-                raise WeightStoreError(f"no tensor given for {key!r} of stage {stage.name!r}")
-            self.bind_keys([key], tensors)
+        keys = self.stage_keys(stage)
+        missing = [key for key in keys if key not in tensors]
+        if missing:
+            raise WeightStoreError(f"no tensor given for {missing[0]!r} of stage {stage.name!r}")
+        self.bind_keys(keys, tensors)
 
     def bind_keys(self, keys: Iterable[str], tensors: Mapping[str, torch.Tensor]) -> None:
         """Bind the given device tensors (from `acquire`) in every place of each key; replicas stay bound."""
@@ -543,7 +534,12 @@ class WeightStore:
         return weight.group.members if weight.group is not None else [weight]
 
     def _evictable_weights(self, device: torch.device, protect: Collection[str] = ()) -> list[_Weight]:
-        """Every replica on `device` that eviction may drop now (each buffer checked once)."""
+        """Every replica on `device` that eviction may drop now (each buffer checked once). Without
+        `protect` the answer is kept until a copy, an eviction or a pin changes it: a runner asks before
+        every call."""
+        state = (device, self.generation, self.copies, self._pins)
+        if not protect and self._evictable_cache is not None and self._evictable_cache[0] == state:
+            return list(self._evictable_cache[1])
         verdict: dict[int, bool] = {}
         out = []
         for weight in self._weights.values():
@@ -554,7 +550,9 @@ class WeightStore:
                 verdict[group] = self._evictable(weight, protect)
             if verdict[group]:
                 out.append(weight)
-        return out
+        if not protect:
+            self._evictable_cache = (state, out)
+        return list(out)
 
     def _evictable(self, weight: _Weight, protect: Collection[str] = ()) -> bool:
         """An unpinned, unprotected replica whose buffer-mates are unpinned and unprotected too."""

@@ -188,14 +188,6 @@ def test_move_state_moves_tensors_in_lists_tuples_and_dicts_and_keeps_the_rest()
 # ---------------------------------------------------------------- runtime on two device names
 
 
-@pytest.fixture(scope="module")
-def unet_reference():
-    model, weights = unet_with_weights()
-    with torch.no_grad():
-        expected = model(*unet_inputs())
-    return weights, expected
-
-
 @pytest.mark.parametrize("home", ["device", "cpu", "disk"])
 def test_layer_split_unet_is_bit_identical_to_the_single_device_run(unet_reference, home):
     weights, expected = unet_reference

@@ -96,14 +96,6 @@ def test_a_meta_weight_is_read_from_the_source():
     assert sum(nbytes for _, nbytes in reserved) == weight_bytes and {i for i, _ in reserved} == {0, 1}
 
 
-@pytest.fixture(scope="module")
-def unet_reference():
-    model, weights = unet_with_weights()
-    with torch.no_grad():
-        expected = model(*unet_inputs())
-    return weights, expected
-
-
 @pytest.mark.parametrize("home", ["device", "cpu", "disk"])
 def test_row_split_unet_matches_the_single_device_run(unet_reference, home):
     weights, expected = unet_reference
