@@ -178,6 +178,11 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
         synchronize(device)
         plan = runtime.snapshot()["modules"][name]["plan"]
         segments = len(plan["segments"])
+        streamed = [s for s in plan["segments"] if s["streamed"]]
+        print(f"  plan: workspace {plan['workspace_bytes'] / MIB:.1f} MiB, "
+              f"ring {plan['ring_bytes'] / MIB:.1f} MiB, "
+              f"{len(streamed)} of {segments} segments streamed "
+              f"({sum(s['weight_bytes'] for s in streamed) / MIB:.1f} MiB)", flush=True)
         if device.type != "cuda":
             peak = ledger.peak_tracked / GIB
         else:

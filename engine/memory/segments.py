@@ -16,8 +16,11 @@ skip connections, and each stage's temporaries) is measured on the first call of
 on CUDA is planned as if the workspace took half of what the module can use: on CUDA
 the peak of `torch.cuda.max_memory_allocated` over every stage, less the weights the ledger tracks, less
 what was allocated before the call; on other devices (no allocator report) twice the largest tensor seen in
-the stage states. The same call times each stage (CUDA events, or the wall clock on a CPU), and the plan is
-remade with those times so streamed bytes follow compute. Plans are cached per input shape, budget and
+the stage states. The same call times each stage (GPU time on CUDA, see `_Measurement`, or the wall clock
+on a CPU), and the plan is remade with those times so streamed bytes follow compute. On CUDA the second
+call of a shape times the stages again and keeps each stage's lesser time: the first call's also hold
+one-time work (kernel loading, cuDNN autotuning, the attention backend probe), up to hundreds of
+milliseconds in one stage. Plans are cached per input shape, budget and
 workspace, and reused while they still fit.
 
 CUDA graphs (`--cuda-graphs`, on by default on CUDA): once a call ran with the same input shape, plan,
@@ -82,6 +85,15 @@ def _clone_state(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class StageProfile:
+    """What the measuring calls of an input shape saw, per stage: seconds (GPU time on CUDA; the least of
+    the calls) and workspace bytes at the stage's peak (the last call's)."""
+
+    seconds: list[float]
+    workspace: list[int]
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -104,19 +116,53 @@ def _shape_signature(state: State) -> tuple:
     return tuple((key, describe(value)) for key, value in state.items())
 
 
+_CYCLES_PER_SECOND: dict[int, float] = {}  # CUDA device index -> clock rate seen by torch.cuda._sleep
+MIN_HOLD, MAX_HOLD = 0.5e-3, 10e-3  # seconds the GPU is held before each measured stage
+TIMED_CALLS = 2  # CUDA calls of a shape that time its stages: the first also loads kernels, autotunes
+
+
+def _cycles_per_second(device: torch.device) -> float:
+    """The rate of `torch.cuda._sleep`'s spin loop on `device`, measured once (0 where torch lacks it: the
+    stages are then timed without a hold, launch-bound as they run)."""
+    if not hasattr(torch.cuda, "_sleep"):
+        return 0.0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CYCLES_PER_SECOND:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 20_000_000
+        torch.cuda._sleep(cycles // 10)  # warm-up: the first launch loads the kernel
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_SECOND[index] = cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
+    return _CYCLES_PER_SECOND[index]
+
+
 class _Measurement:
-    """Per-stage times and the workspace peak of one call (the first of an input shape)."""
+    """Per-stage times and workspace peaks of one call (the first of an input shape, on CUDA the first two).
+
+    On CUDA each stage's time is its GPU time, not the host's: before a stage the GPU spins in a sleep
+    kernel for three times as long as the host took to queue the previous stage (within MIN_HOLD and
+    MAX_HOLD), so the stage's kernels are all queued when its start event fires and run back to back. A
+    host time longer than the hold may include waiting for the GPU (a synchronising copy): it counts as the
+    hold, so holds grow threefold per stage at most and never with the wait. Without the hold a launch-bound
+    call (most eager calls) would time the host's launches, and streamed bytes would follow the wrong pace.
+    """
 
     def __init__(self, runner: SegmentRunner, state: State, count: int) -> None:
         self.runner = runner
         self.cuda = runner.device.type == "cuda"
         self.largest = [_largest_tensor_bytes(state)]
         self.seconds = [0.0] * count
+        self.peaks = [0] * count  # workspace bytes at each stage's peak
         self.workspace = 0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._began = 0.0
+        self._hold = MIN_HOLD  # seconds the GPU spins before the next stage
         if self.cuda:
             self.base = torch.cuda.memory_allocated(runner.device) - self._weights_on_device()
+            self._rate = _cycles_per_second(runner.device)
 
     def _weights_on_device(self) -> int:
         return self.runner.ledger.tracked(kind="weights") + self.runner.ring_bytes()
@@ -124,29 +170,36 @@ class _Measurement:
     def before(self, index: int) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.runner.device)
+            if self._rate:
+                torch.cuda._sleep(int(self._hold * self._rate))
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self._events.append((start, end))
-        else:
-            self._began = time.perf_counter()
+            self._events.append((index, start, end))
+        self._began = time.perf_counter()
 
     def after(self, index: int, state: State) -> None:
+        host = time.perf_counter() - self._began
         if self.cuda:
-            self._events[-1][1].record()
+            self._hold = min(MAX_HOLD, max(MIN_HOLD, 3 * min(host, self._hold)))
+            self._events[-1][2].record()
             peak = torch.cuda.max_memory_allocated(self.runner.device) - self._weights_on_device()
+            self.peaks[index] = max(self.peaks[index], peak - self.base)
             self.workspace = max(self.workspace, peak - self.base)
         else:
-            self.seconds[index] = time.perf_counter() - self._began
+            self.seconds[index] = host
             self.largest.append(_largest_tensor_bytes(state))
+            self.peaks[index] = 2 * max(self.largest[-2:])
 
     def finish(self) -> tuple[int, list[float]]:
         """(workspace bytes, seconds per stage)."""
         if not self.cuda:
             return 2 * max(self.largest), self.seconds
-        self._events[-1][1].synchronize()
-        seconds = [start.elapsed_time(end) / 1e3 for start, end in self._events]
+        if self._events:
+            self._events[-1][2].synchronize()
+        for index, start, end in self._events:
+            self.seconds[index] += start.elapsed_time(end) / 1e3
         workspace = max(self.workspace, 0)
-        return workspace + min(WORKSPACE_SLACK, workspace // 16), seconds
+        return workspace + min(WORKSPACE_SLACK, workspace // 16), self.seconds
 
 
 class SegmentRunner:
@@ -181,6 +234,7 @@ class SegmentRunner:
         self._plans: dict[tuple, SegmentPlan] = {}
         self._workspace: dict[tuple, int] = {}  # shape signature -> measured workspace bytes
         self._seconds: dict[tuple, list[float]] = {}  # shape signature -> measured seconds per stage
+        self._timed: dict[tuple, int] = {}  # shape signature -> calls that measured it
         self._ring: StreamRing | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._computing: int | None = None
@@ -192,6 +246,7 @@ class SegmentRunner:
         self._held: dict[int, tuple[int, int]] = {}  # resident segment -> (id(plan), store generation)
         self._device_name = device_name(self.device)
         self._pinned: list[str] = []  # keys pinned while a resident segment computes
+        self.profile: StageProfile | None = None  # the last measured shape's per-stage times and peaks
 
     def _stage_keys(self, stages: Sequence[Stage]) -> list[list[str]]:
         """The keys each stage reads: the last call's when the stages are the same objects (a model that
@@ -223,9 +278,10 @@ class SegmentRunner:
             module = self.store.module_of(first) if first is not None else "model"
         self.module = module
         signature = _shape_signature(state)
-        measuring = signature not in self._workspace
+        first = signature not in self._workspace
+        measuring = self._timed.get(signature, 0) < (TIMED_CALLS if self.device.type == "cuda" else 1)
         workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
-        if measuring and self.device.type == "cuda":
+        if first and self.device.type == "cuda":
             # the call that measures the workspace assumes it may take half of what the module can use,
             # so that a first call whose activations are far larger than its inputs (a UNet's skips and
             # attention) still stays within the budget: more streams once, then the plan is remade
@@ -265,7 +321,13 @@ class SegmentRunner:
         finally:
             self._abandon()
         if measurement is not None:
-            self._workspace[signature], self._seconds[signature] = measurement.finish()
+            workspace, seconds = measurement.finish()
+            if signature in self._workspace:  # a later timing call: the least time each stage took
+                workspace = max(workspace, self._workspace[signature])
+                seconds = [min(a, b) for a, b in zip(seconds, self._seconds[signature], strict=True)]
+            self._workspace[signature], self._seconds[signature] = workspace, seconds
+            self._timed[signature] = self._timed.get(signature, 0) + 1
+            self.profile = StageProfile(list(seconds), list(measurement.peaks))
         return state
 
     # ------------------------------------------------------------------------------------------ graphs
@@ -572,7 +634,7 @@ class SegmentRunner:
         capacity = self._capacity()
         seconds = self._seconds.get(signature)
         budget = self.ledger.budget_bytes
-        cache_key = (self.module, len(stages), signature, budget, workspace, seconds is None)
+        cache_key = (self.module, len(stages), signature, budget, workspace, self._timed.get(signature, 0))
         cached = self._plans.get(cache_key)
         if cached is not None and self._still_good(cached, capacity):
             if cached is not self.plan:
