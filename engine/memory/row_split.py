@@ -138,4 +138,6 @@ def shard_transformer_linears(
                                    name, reserve)
         parent_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attribute, sharded)
+    if names and hasattr(model, "forget_stages"):
+        model.forget_stages()  # a cached stage may hold a replaced linear itself
     return names

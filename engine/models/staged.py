@@ -60,3 +60,7 @@ class StagedModel(nn.Module):
 
     def stages(self) -> list[Stage]:
         raise NotImplementedError
+
+    def forget_stages(self) -> None:
+        """Drop a cached stage list: its stages hold the modules they read, which a row split replaces."""
+        self.__dict__.pop("_stage_cache", None)

@@ -5,12 +5,14 @@ Parameter names are the keys of the original single-file checkpoints without the
 The forward pass is a list of stages (engine/models/staged.py) about one layer each, so the memory
 runtime can cut it finely: "embed", then per layer of each block (named by the block and layer index)
 a convolution, Downsample or Upsample stage ("input_blocks.0.0", "output_blocks.8.2"), two ResBlock
-stages ("input_blocks.4.0.in", ".out"), or a SpatialTransformer's "proj_in", three stages per
-transformer block ("transformer_blocks.3.attn1", ".attn2", ".ff") and "proj_out"; then "out".
+stages ("input_blocks.4.0.in", ".out"), or a SpatialTransformer's "proj_in", four stages per
+transformer block ("transformer_blocks.3.attn1", ".attn2", ".ff.geglu", ".ff.out") and "proj_out"; then
+"out".
 The state they share holds "h" (the activation), "emb" (timestep + vector embedding), "context"
 (cross-attention tokens) and "hs" (the skip list); within a block, until used, also "x_in" (a
-ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its (B, H*W, C) tokens)
-and "upsample_size" (an upsampling output block's target size).
+ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its (B, H*W, C) tokens),
+"ff_hidden" (a feed-forward's gated activations) and "upsample_size" (an upsampling output block's
+target size).
 """
 
 from __future__ import annotations
@@ -153,11 +155,14 @@ FF_CHUNK_BYTES = 32 * 1024**2  # the largest GEGLU projection a feed-forward com
 
 
 class FeedForward(nn.Module):
-    """GEGLU up-projection to 4x the width, then back down.
+    """GEGLU up-projection to 4x the width, then back down, in two steps that the stages run apart.
 
-    Tokens are independent here, so large inputs run in chunks of tokens whose GEGLU projection (twice the
-    inner width, the largest temporary of a UNet step) stays under FF_CHUNK_BYTES: at SDXL's 64x64 level that
-    is 168 MB at once otherwise, most of the step's workspace. Each token's arithmetic is unchanged.
+    `geglu` computes the gated hidden activations and `project_out` the down-projection, so the UNet's
+    stages can hold the two weights apart (SDXL's 1280-wide feed-forward is 37.5 MiB, the largest weight set
+    of a stage otherwise). Tokens are independent in `geglu`, so large inputs run in chunks of tokens
+    whose projection (twice the inner width, the largest temporary of a UNet step) stays under
+    FF_CHUNK_BYTES: at SDXL's 64x64 level that is 168 MB at once otherwise. Each token's arithmetic is
+    unchanged.
     """
 
     def __init__(self, dim: int, **factory):
@@ -165,18 +170,24 @@ class FeedForward(nn.Module):
         self.net = nn.Sequential(GEGLU(dim, dim * 4, **factory), nn.Identity(),  # the dropout slot (index 1)
                                  nn.Linear(dim * 4, dim, **factory))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def geglu(self, x: torch.Tensor) -> torch.Tensor:
+        geglu = self.net[0]
         rows = x.numel() // x.shape[-1]
-        projection = rows * self.net[0].proj.out_features * x.element_size()
-        chunks = math.ceil(projection / FF_CHUNK_BYTES)
+        chunks = math.ceil(rows * geglu.proj.out_features * x.element_size() / FF_CHUNK_BYTES)
         if chunks <= 1:
-            return self.net(x)
+            return geglu(x)
         flat = x.reshape(rows, x.shape[-1])  # (tokens of every batch item, C)
-        out = torch.empty(rows, self.net[2].out_features, dtype=x.dtype, device=x.device)
+        hidden = torch.empty(rows, geglu.proj.out_features // 2, dtype=x.dtype, device=x.device)
         step = math.ceil(rows / chunks)
         for start in range(0, rows, step):
-            out[start : start + step] = self.net(flat[start : start + step])
-        return out.view(*x.shape[:-1], out.shape[-1])
+            hidden[start : start + step] = geglu(flat[start : start + step])
+        return hidden.view(*x.shape[:-1], hidden.shape[-1])
+
+    def project_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net[2](hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project_out(self.geglu(x))
 
 
 class BasicTransformerBlock(nn.Module):
@@ -500,7 +511,7 @@ def _resblock_stages(name: str, block: ResBlock) -> list[Stage]:
 
 
 def _transformer_stages(name: str, transformer: SpatialTransformer) -> list[Stage]:
-    """SpatialTransformer.forward as proj_in, three stages per transformer block, and proj_out."""
+    """SpatialTransformer.forward as proj_in, four stages per transformer block, and proj_out."""
     norm, proj_in, proj_out = transformer.norm, transformer.proj_in, transformer.proj_out
     use_linear = transformer.use_linear
 
@@ -534,7 +545,8 @@ def _transformer_stages(name: str, transformer: SpatialTransformer) -> list[Stag
 
 
 def _transformer_block_stages(name: str, block: BasicTransformerBlock) -> list[Stage]:
-    """BasicTransformerBlock.forward as its three pre-norm residual steps over state["tokens"]."""
+    """BasicTransformerBlock.forward as its three pre-norm residual steps over state["tokens"], the
+    feed-forward in two (its GEGLU projection and its down-projection hold apart)."""
     norm1, attn1, norm2, attn2, norm3, ff = (block.norm1, block.attn1, block.norm2, block.attn2,
                                              block.norm3, block.ff)
 
@@ -548,11 +560,15 @@ def _transformer_block_stages(name: str, block: BasicTransformerBlock) -> list[S
         state["tokens"] = x + attn2(norm2(x), state["context"])
         return state
 
-    def run_ff(state: State) -> State:
-        x = state["tokens"]
-        state["tokens"] = x + ff(norm3(x))
+    def run_ff_geglu(state: State) -> State:
+        state["ff_hidden"] = ff.geglu(norm3(state["tokens"]))
+        return state
+
+    def run_ff_out(state: State) -> State:
+        state["tokens"] = state["tokens"] + ff.project_out(state.pop("ff_hidden"))
         return state
 
     return [Stage(f"{name}.attn1", (norm1, attn1), run_attn1),
             Stage(f"{name}.attn2", (norm2, attn2), run_attn2),
-            Stage(f"{name}.ff", (norm3, ff), run_ff)]
+            Stage(f"{name}.ff.geglu", (norm3, ff.net[0]), run_ff_geglu),
+            Stage(f"{name}.ff.out", (ff.net[2],), run_ff_out)]

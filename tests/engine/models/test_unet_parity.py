@@ -235,17 +235,17 @@ class ParameterReads(TorchFunctionMode):
 
 def resblock_and_transformer_stage_names(block: str, depth: int) -> list[str]:
     """The stage names of a block whose layer 0 is a ResBlock and layer 1 a transformer of `depth`."""
-    parts = ("attn1", "attn2", "ff")
+    parts = ("attn1", "attn2", "ff.geglu", "ff.out")
     return ([f"{block}.0.in", f"{block}.0.out", f"{block}.1.proj_in"]
             + [f"{block}.1.transformer_blocks.{d}.{part}" for d in range(depth) for part in parts]
             + [f"{block}.1.proj_out"])
 
 
 # Stage counts by hand from the LDM layouts: a conv / Downsample / Upsample is 1 stage, a ResBlock 2,
-# a SpatialTransformer of depth d is 2 + 3 d. SD1.5: input 50, middle 9, output 72; SDXL: 95, 36, 140.
+# a SpatialTransformer of depth d is 2 + 4 d. SD1.5: input 56, middle 10, output 81; SDXL: 119, 46, 176.
 @pytest.mark.parametrize(("config", "input_blocks", "stage_count"),
-                         [(sd15_unet_config(), 12, 1 + 50 + 9 + 72 + 1),
-                          (sdxl_unet_config(), 9, 1 + 95 + 36 + 140 + 1)])
+                         [(sd15_unet_config(), 12, 1 + 56 + 10 + 81 + 1),
+                          (sdxl_unet_config(), 9, 1 + 119 + 46 + 176 + 1)])
 def test_every_parameter_belongs_to_exactly_one_stage_and_stages_follow_ldm_order(config, input_blocks,
                                                                                    stage_count):
     model = UNetModel(config)
