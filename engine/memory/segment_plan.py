@@ -18,7 +18,12 @@ the first call of an input shape; uniform before): the copy engine then runs bes
 first stage to the last instead of stalling compute where streamed stages cluster.
 
 Consecutive stages of one role form a segment; streamed runs are cut into chunks of at most a third of the
-ring (at least the largest stage), so that the copies of the following chunks fit beside the one computing.
+ring (at least the largest stage), so that the copies of the following chunks fit beside the one computing,
+and, once stage times are measured, of at most 1/STREAMED_TIME_SHARE of the call's compute: a segment's
+copy must end before its first stage starts, so a long segment with few weights (the full-resolution
+blocks of a UNet) would have its bytes arrive long before most of its stages need them, holding ring
+space that later copies wait for. Replaying SDXL's measured stage times through a model of the two
+streams (bench/plan_study.py) put this cut at 6 to 10% off the step time at mid budgets.
 Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
 copy may start only after their compute has finished.
 """
@@ -33,6 +38,7 @@ from engine.memory.weight_store import aligned
 from engine.models.staged import Stage
 
 RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms of copies at 55 GB/s
+STREAMED_TIME_SHARE = 200  # a streamed segment computes for at most this fraction of a call (when known)
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,10 @@ def plan_segments(
         ring = min(room, max(largest, min(ring_target, room // 8) // 2))
         chunk = ring
     streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk)
-    segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate)
+    known = stage_seconds is not None and len(stage_seconds) == len(stages) and sum(stage_seconds) > 0
+    times = list(stage_seconds) if known else [0.0] * len(stages)
+    segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate,
+                         times, sum(times) / STREAMED_TIME_SHARE if known else 0.0)
     segments = _place_in_ring(segments, ring)
     resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
     return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes,
@@ -152,13 +161,19 @@ def _segments(
     streamed: Sequence[bool],
     chunk: int,
     workspace: int,
+    seconds: Sequence[float],
+    time_cap: float,
 ) -> list[Segment]:
-    """Consecutive stages of one role as segments; streamed runs cut into chunks of at most `chunk`."""
+    """Consecutive stages of one role as segments; streamed runs cut into chunks of at most `chunk` bytes
+    and (when `time_cap` > 0) `time_cap` seconds of compute."""
     bounds: list[tuple[int, int, bool]] = []
     start = 0
     for index in range(1, len(stages) + 1):
         if index < len(stages) and streamed[index] == streamed[start]:
-            if not streamed[start] or sum(ring_sizes[start : index + 1]) <= chunk:
+            if not streamed[start]:
+                continue
+            small = sum(ring_sizes[start : index + 1]) <= chunk
+            if small and (time_cap <= 0 or sum(seconds[start : index + 1]) <= time_cap):
                 continue
         bounds.append((start, index, streamed[start]))
         start = index

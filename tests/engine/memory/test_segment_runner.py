@@ -5,6 +5,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine.memory.ledger import BudgetExceeded, DeviceLedger
+from engine.memory.segment_plan import STREAMED_TIME_SHARE
 from engine.memory.segments import SegmentRunner, plan_segments
 from engine.memory.weight_store import WeightStore
 from engine.telemetry import EventBus, EventRecorder
@@ -91,6 +92,21 @@ def test_streamed_stages_follow_compute_time():
     assert streamed_stages(early)[0] < streamed_stages(late)[0]
 
 
+def test_streamed_segments_compute_for_at_most_their_share_of_the_call():
+    depth = 400
+    stages, weights = toy_stages(depth)
+    weights = [{k: n // 16 for k, n in w.items()} for w in weights]  # tiny stages: byte chunks hold many
+    budget = depth * BLOCK_BYTES // 32 + WORKSPACE  # about half the weights stream
+    seconds = [1.0] * depth
+    timed = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds)
+    untimed = plan_segments(stages, weights, WORKSPACE, budget)
+    share = sum(seconds) / STREAMED_TIME_SHARE
+    assert all(sum(seconds[s.start : s.stop]) <= share for s in timed.segments if s.streamed)
+    assert max(s.stop - s.start for s in untimed.segments if s.streamed) > share  # the cut mattered
+    for plan in (timed, untimed):
+        assert sum(s.ring_bytes for s in plan.segments if s.streamed) >= depth * BLOCK_BYTES // 16 - budget
+
+
 def test_resident_weights_cost_nothing_in_a_plan():
     stages, weights = toy_stages(4)
     resident = [k for w in weights[:3] for k in w]
@@ -163,7 +179,7 @@ def test_plan_is_cached_per_input_shape():
         runner.run(model.stages(), {"x": torch.randn(4, WIDTH)})
     plans = events.of_kind("plan")
     assert [p["cached"] for p in plans] == [False, False]  # the second is made with the measured stage times
-    assert runner.plan is runner._plans[max(runner._plans, key=lambda k: not k[-1])]
+    assert runner.plan is runner._plans[max(runner._plans, key=lambda k: k[-1])]  # made with the times
     runner.run(model.stages(), {"x": torch.randn(2, WIDTH)})
     assert events.of_kind("plan")[-1]["cached"] is False
 
