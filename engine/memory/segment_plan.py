@@ -22,8 +22,10 @@ ring (at least the largest stage), so that the copies of the following chunks fi
 and, once stage times are measured, of at most 1/STREAMED_TIME_SHARE of the call's compute: a segment's
 copy must end before its first stage starts, so a long segment with few weights (the full-resolution
 blocks of a UNet) would have its bytes arrive long before most of its stages need them, holding ring
-space that later copies wait for. Replaying SDXL's measured stage times through a model of the two
-streams (bench/plan_study.py) put this cut at 6 to 10% off the step time at mid budgets.
+space that later copies wait for. Replaying the H200's measured stage times through a model of the two
+streams (bench/plan_study.py, with about 20 us per copy and 40 us per streamed segment of overhead fitted
+to the measured steps) puts the cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a
+few % slower at SDXL's smallest budget, where there are the most segments.
 Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
 copy may start only after their compute has finished.
 """
