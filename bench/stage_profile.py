@@ -60,7 +60,7 @@ def profile(name: str, config: object, side: int, dtype: torch.dtype, device: to
     step()
     measuring_s = time.perf_counter() - began
     step()  # the second call times the stages again (without the first call's kernel loading)
-    measured = runtime._module(module).runner.profile
+    measured = runtime.stage_profile(module)
     resident_ms, _, _ = measure(device, step, 3, 10)
     runtime.unregister(module)
     rows = [{"stage": stage.name, "weight_bytes": size, "ms": seconds * 1e3, "workspace_bytes": peak}

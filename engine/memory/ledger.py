@@ -175,15 +175,8 @@ class DeviceLedger:
             return min(limits)
 
     def available(self) -> int:
-        """Bytes a new allocation may take: min(budget - tracked, live free - reserve), never negative."""
-        with self._lock:
-            limits = []
-            if self.budget_bytes is not None:
-                limits.append(self.budget_bytes - self.tracked())
-            free = self.free()
-            if free is not None:
-                limits.append(free - self.reserve_bytes)
-            return max(0, min(limits))
+        """Bytes a new allocation may take: the headroom, never negative."""
+        return max(0, self.headroom())
 
     def would_fit(self, nbytes: int) -> bool:
         return nbytes <= self.available()

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from engine.memory.layer_split import (
 )
 from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, live_free_memory, resolve_budget
 from engine.memory.row_split import block_linears, shard_transformer_linears
-from engine.memory.segments import SegmentRunner
+from engine.memory.segments import SegmentRunner, StageProfile
 from engine.memory.weight_store import HOMES, Source, WeightStore
 from engine.models.staged import Stage, State
 from engine.placement import (
@@ -422,6 +422,11 @@ class MemoryRuntime:
         with self._lock:
             return list(self._modules)
 
+    def stage_profile(self, name: str) -> StageProfile | None:
+        """Per-stage times and workspace peaks of module `name`'s last measured input shape (its main
+        device's part)."""
+        return self._module(name).runner.profile
+
     def _module(self, name: str) -> _Module:
         with self._lock:
             if name not in self._modules:
@@ -464,27 +469,27 @@ class MemoryRuntime:
         several devices uses it only when every one of them selects it (reference/000)."""
         if module.kind not in FLASH_ATTN_MODULES:
             return True
-        dtype = next(model.parameters()).dtype
-        key = (module.kind, self.settings.flash_attn, dtype, module.devices)
-        if key not in self._backend_choices:
-            modes = parse_modes(self.settings.flash_attn, "--flash-attn", MODES, FLASH_ATTN_MODULES)
-            mode = modes.get(module.kind, modes.get("*", "auto"))
-            enabled = (flash_attention_enabled(d.torch_device, mode, dtype) for d in module.devices)
-            self._backend_choices[key] = all(enabled)
-        return self._backend_choices[key]
+        return self._backend_choice(module, model, "--flash-attn", self.settings.flash_attn,
+                                    FLASH_ATTN_MODULES, flash_attention_enabled)
 
     def _conv_direct(self, module: _Module, model: nn.Module) -> bool | None:
         """--conv-direct for the module's kind as cuDNN autotuning (conv_probe.py; auto: probed once per
         device); None for kinds without the choice (the global setting stays)."""
         if module.kind not in CONV_DIRECT_MODULES:
             return None
+        return self._backend_choice(module, model, "--conv-direct", self.settings.conv_direct,
+                                    CONV_DIRECT_MODULES, conv_direct_enabled)
+
+    def _backend_choice(self, module: _Module, model: nn.Module, flag: str, value: str,
+                        kinds: Collection[str], enabled: Callable[..., bool]) -> bool:
+        """Whether `flag` (its `value`: per-kind on|off|auto) is on for the module on all of its devices;
+        decided once per flag, kind, dtype and devices."""
         dtype = next(model.parameters()).dtype
-        key = ("conv", module.kind, self.settings.conv_direct, dtype, module.devices)
+        key = (flag, module.kind, value, dtype, module.devices)
         if key not in self._backend_choices:
-            modes = parse_modes(self.settings.conv_direct, "--conv-direct", MODES, CONV_DIRECT_MODULES)
+            modes = parse_modes(value, flag, MODES, kinds)
             mode = modes.get(module.kind, modes.get("*", "auto"))
-            enabled = (conv_direct_enabled(d.torch_device, mode, dtype) for d in module.devices)
-            self._backend_choices[key] = all(enabled)
+            self._backend_choices[key] = all(enabled(d.torch_device, mode, dtype) for d in module.devices)
         return self._backend_choices[key]
 
     def release(self, name: str) -> int:

@@ -169,16 +169,17 @@ def _segments(
     """Consecutive stages of one role as segments; streamed runs cut into chunks of at most `chunk` bytes
     and (when `time_cap` > 0) `time_cap` seconds of compute."""
     bounds: list[tuple[int, int, bool]] = []
-    start = 0
+    start, run_bytes, run_seconds = 0, ring_sizes[0], seconds[0]  # of stages start..index-1
     for index in range(1, len(stages) + 1):
         if index < len(stages) and streamed[index] == streamed[start]:
+            run_bytes, run_seconds = run_bytes + ring_sizes[index], run_seconds + seconds[index]
             if not streamed[start]:
                 continue
-            small = sum(ring_sizes[start : index + 1]) <= chunk
-            if small and (time_cap <= 0 or sum(seconds[start : index + 1]) <= time_cap):
+            if run_bytes <= chunk and (time_cap <= 0 or run_seconds <= time_cap):
                 continue
         bounds.append((start, index, streamed[start]))
-        start = index
+        if index < len(stages):
+            start, run_bytes, run_seconds = index, ring_sizes[index], seconds[index]
     segments = []
     for number, (first, stop, is_streamed) in enumerate(bounds):
         keys = {k: n for i in range(first, stop) for k, n in weights[i].items()}

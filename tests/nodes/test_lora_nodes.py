@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ import nodes.loaders
 from engine import telemetry
 from engine.graph.document import Workflow
 from engine.graph.executor import Executor, JobResult
-from engine.graph.spec import ANY, FLOAT, NodeType, RunContext, link_input
+from engine.graph.spec import FLOAT
 from engine.models.loader import load_checkpoint
 from engine.settings import Settings
 from nodes.registry import default_registry
@@ -24,24 +24,15 @@ from nodes.registry import default_registry
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine" / "models"))
 from sd_checkpoints import write_checkpoint  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from capture_node import Capture  # noqa: E402
+
 TARGETS = (
     "input_blocks.1.1.transformer_blocks.0.attn2.to_v",
     "middle_block.1.transformer_blocks.0.ff.net.2",
     "output_blocks.1.0.in_layers.2",
 )  # two Linears and a 3x3 convolution (LoCon)
 TE_TARGETS = ("text_model.encoder.layers.1.self_attn.v_proj",)
-
-
-class Capture(NodeType):
-    """Test output node: keeps whatever reaches it, by node id."""
-
-    output_node = True
-    inputs = (link_input("value", ANY),)
-    seen: ClassVar[dict[str, Any]] = {}
-
-    def run(self, ctx: RunContext, value: Any) -> tuple:
-        Capture.seen[ctx.node_id] = value
-        return ()
 
 
 def _pair(weight: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,7 +20,6 @@ from app.cli import main
 from engine import telemetry
 from engine.graph.document import Workflow
 from engine.graph.executor import Executor, JobResult
-from engine.graph.spec import ANY, NodeType, RunContext, link_input
 from engine.images import png_text
 from engine.models.clip import CLIPTextModel, component_prefix
 from engine.models.conditioning import SD1Conditioner, SD2Conditioner, SDXLConditioner
@@ -35,19 +34,10 @@ from nodes.registry import default_registry
 sys.path.insert(0, str(Path(__file__).parents[1] / "engine" / "models"))
 from sd_checkpoints import write_checkpoint  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from capture_node import Capture  # noqa: E402
+
 CONDITIONERS = {"sd1": SD1Conditioner, "sd2": SD2Conditioner, "sdxl": SDXLConditioner}
-
-
-class Capture(NodeType):
-    """Test output node: keeps whatever reaches it, by node id."""
-
-    output_node = True
-    inputs = (link_input("value", ANY),)
-    seen: ClassVar[dict[str, Any]] = {}
-
-    def run(self, ctx: RunContext, value: Any) -> tuple:
-        Capture.seen[ctx.node_id] = value
-        return ()
 
 
 @pytest.fixture(scope="module")

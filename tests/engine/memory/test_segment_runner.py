@@ -184,6 +184,16 @@ def test_plan_is_cached_per_input_shape():
     assert events.of_kind("plan")[-1]["cached"] is False
 
 
+def test_the_first_call_of_a_shape_leaves_a_profile_of_every_stage():
+    _, weights = reference_weights(WIDTH, DEPTH)
+    model, _, _, runner, _ = build("cpu", TIGHT, None, weights)
+    assert runner.profile is None
+    runner.run(model.stages(), {"x": torch.randn(4, WIDTH)})
+    profile = runner.profile
+    assert len(profile.seconds) == len(profile.workspace) == DEPTH
+    assert all(t > 0 for t in profile.seconds) and all(n >= STATE_BYTES for n in profile.workspace)
+
+
 def test_later_runs_copy_only_the_streamed_segments():
     _, weights = reference_weights(WIDTH, DEPTH)
     model, store, _, runner, events = build("cpu", 4 * BLOCK_BYTES + WORKSPACE, None, weights)
