@@ -3,9 +3,9 @@
 Homes (reference/000, "Runtime backend vs. parameter backend"):
 - "device": the tensor lives on the compute device for good (tracked in the device ledger at load);
 - "cpu": the tensor lives in RAM, pinned once at load when the compute device is CUDA. A model's cpu-home
-  weights share one host arena in registration order (stage order for the staged models), each at an
-  ALIGN-byte boundary, so the weights of consecutive stages are one contiguous span that a segment runner
-  copies in a single transfer (`host_span`);
+  weights share one host arena in the order their stages read them (registration order for other
+  models), each at an ALIGN-byte boundary, so the weights of consecutive stages are one contiguous span
+  that a segment runner copies in a single transfer (`host_span`);
 - "disk": nothing is kept; each copy re-reads the tensor from a source (e.g. a safetensors reader),
   through a reusable pinned staging buffer on CUDA.
 
@@ -40,7 +40,7 @@ from torch import nn
 from engine import telemetry
 from engine.devices import device_name
 from engine.memory.ledger import DeviceLedger
-from engine.models.staged import Stage
+from engine.models.staged import Stage, StagedModel
 
 Source = Callable[[str], torch.Tensor]  # checkpoint key -> tensor, e.g. safe_open(path, "pt").get_tensor
 HOMES = ("device", "cpu", "disk")
@@ -49,6 +49,20 @@ ALIGN = 256  # bytes: the arena and stream-buffer offset of every weight, enough
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _arena_offsets(model: nn.Module) -> dict[int, int]:
+    """id(parameter) -> byte offset in the model's arena: in the order the stages read them (a stage's norm
+    beside the projection it feeds, so a run of stages is one span), then the parameters no stage reads."""
+    ordered: dict[int, nn.Parameter] = {}
+    for stage in model.stages() if isinstance(model, StagedModel) else []:
+        ordered.update((id(p), p) for p in stage.parameters())
+    ordered.update((id(p), p) for p in model.parameters() if id(p) not in ordered)
+    offsets, cursor = {}, 0
+    for key, parameter in ordered.items():
+        offsets[key] = cursor
+        cursor += aligned(parameter.numel() * parameter.element_size())
+    return offsets
 
 
 class WeightStoreError(ValueError):
@@ -138,7 +152,7 @@ class WeightStore:
         key_of_parameter: dict[int, str] = {}
         originals: list[tuple[nn.Module, str, nn.Parameter]] = []
         arena = self._new_arena(model, device, home) if home in ("cpu", "device") else None
-        cursor = 0
+        offsets = _arena_offsets(model)
         try:
             for owner_name, owner in model.named_modules():
                 for attribute, parameter in list(owner._parameters.items()):
@@ -148,11 +162,10 @@ class WeightStore:
                     key = key_of_parameter.get(id(parameter))
                     if key is None:
                         name = f"{owner_name}.{attribute}" if owner_name else attribute
-                        slot = None if arena is None else (arena, cursor)
+                        slot = None if arena is None else (arena, offsets[id(parameter)])
                         key = self._add(module, name, owner, attribute, parameter, home, device, source, slot)
                         key_of_parameter[id(parameter)] = key
                         keys.append(key)
-                        cursor += aligned(self._weights[key].nbytes)
                     else:
                         self._weights[key].places.append((owner, attribute))
                     self._key_of[(id(owner), attribute)] = key

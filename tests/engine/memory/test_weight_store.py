@@ -205,3 +205,25 @@ def test_failed_registration_leaves_nothing_registered_or_tracked():
     assert all(p.is_meta for p in model.parameters())
     with pytest.raises(WeightStoreError, match="not registered"):
         store.stage_keys(model.stages()[0])
+
+
+def test_a_unets_weights_lie_in_its_host_arena_in_stage_order():
+    """A transformer block registers its norms after its attention and feed-forward layers; the arena still
+    lays each stage's weights (norm1 beside attn1) after the previous stage's, so any run of stages is one
+    contiguous span: one copy per streamed segment."""
+    from split_models import tiny_unet_config
+
+    from engine.memory.weight_store import aligned
+    from engine.models.unet import UNetModel
+
+    unet = UNetModel(tiny_unet_config(), dtype=torch.float32, device="meta")
+    shapes = {name: p.shape for name, p in unet.named_parameters()}
+    store, _, _ = make_store(1 << 30)
+    store.register_model("diffusion", unet, "cpu", "cpu", lambda name: torch.zeros(shapes[name]))
+    keys = [key for stage in unet.stages() for key in store.stage_keys(stage)]
+    assert len(keys) == len(set(keys)) == len(shapes)
+    offsets = [store.host_span(key)[1] for key in keys]
+    expected = [0]
+    for key in keys[:-1]:
+        expected.append(expected[-1] + aligned(store.layout(key)[2]))
+    assert offsets == expected
