@@ -41,6 +41,8 @@ from engine.models.staged import Stage
 
 RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms of copies at 55 GB/s
 STREAMED_TIME_SHARE = 200  # a streamed segment computes for at most this fraction of a call (when known)
+RING_SHARE = 8  # the ring takes up to this fraction of the room (at least two of the largest stages)
+RING_CHUNKS = 3  # a streamed segment holds at most this fraction of the ring (at least the largest stage)
 
 
 @dataclass(frozen=True)
@@ -76,15 +78,16 @@ def plan_segments(
     resident_keys: Collection[str] = (),
     stage_seconds: Sequence[float] | None = None,
     overlap: bool = True,
-    ring_target: int = RING_TARGET,
+    ring_target: int | None = None,
 ) -> SegmentPlan:
     """Plan `stages` so that resident weights + stream ring + workspace <= budget_available.
 
     `stage_weight_bytes[i]` maps the keys stage i reads to their bytes; `resident_keys` are weights that
     stay on the device anyway (they cost nothing). `stage_seconds` weighs where streamed bytes go (uniform
-    when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute. A stage
-    that cannot fit alone raises BudgetExceeded.
+    when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute.
+    `ring_target` defaults to RING_TARGET. A stage that cannot fit alone raises BudgetExceeded.
     """
+    ring_target = RING_TARGET if ring_target is None else ring_target
     if len(stage_weight_bytes) != len(stages):
         raise ValueError(f"{len(stages)} stages but {len(stage_weight_bytes)} weight maps")
     resident = set(resident_keys)
@@ -107,18 +110,19 @@ def plan_segments(
             )
     largest = max(ring_sizes)
     if overlap and room >= 2 * largest:
-        ring = min(room, max(2 * largest, min(ring_target, room // 8)))
-        chunk = max(largest, ring // 3)
+        ring = min(room, max(2 * largest, min(ring_target, room // RING_SHARE)))
+        chunk = max(largest, ring // RING_CHUNKS)
     elif overlap:  # too little room to double-buffer the largest stage: the smaller ones still can
         ring, chunk = room, room // 2
     else:
-        ring = min(room, max(largest, min(ring_target, room // 8) // 2))
+        ring = min(room, max(largest, min(ring_target, room // RING_SHARE) // 2))
         chunk = ring
     streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk)
     known = stage_seconds is not None and len(stage_seconds) == len(stages) and sum(stage_seconds) > 0
     times = list(stage_seconds) if known else [0.0] * len(stages)
+    time_cap = sum(times) / STREAMED_TIME_SHARE if known and STREAMED_TIME_SHARE else 0.0
     segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate,
-                         times, sum(times) / STREAMED_TIME_SHARE if known else 0.0)
+                         times, time_cap)
     segments = _place_in_ring(segments, ring)
     resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
     return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes,
