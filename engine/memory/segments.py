@@ -25,22 +25,19 @@ workspace, and reused while they still fit.
 
 CUDA graphs (`--cuda-graphs`, on by default on CUDA): once a call ran with the same input shape, plan,
 stream ring and weight residency as the call before it (nothing was copied in or evicted), the next call is
-captured, and later calls with the same key replay it: the host then queues a graph instead of thousands of
-kernels, which on a launch-bound model is most of a step. A plan that streams nothing is one graph. A plan
-that streams is one graph per segment, in one shared memory pool, and each replay queues the copies into the
-ring and their events eagerly between the segments' graphs, as an eager call does (and so also re-reads
-disk-home weights): on the H200, copies captured inside one graph of the whole call ran at about 50 GB/s,
-the same copies queued eagerly at 55 (bench/replay_trace.py). Inputs are copied into the graphs' tensors
-and outputs cloned out. The graphs' memory pool holds the call's workspace for as long as they live, so
-the ledger keeps that workspace tracked (idle between calls); evicting it drops the graphs. Any change of
-the key runs eagerly again, and a failed capture turns graphs off for the runner with a warning.
+captured as one CUDA graph, copies into the ring and their events included, and later calls with the same
+key replay it: the host then queues one graph instead of thousands of kernels, which on a launch-bound
+model is most of a step. Inputs are copied into the graph's tensors and outputs cloned out. The graph's
+memory pool holds the call's workspace for as long as the graph lives, so the ledger keeps that workspace
+tracked (idle between calls); evicting it drops the graph. Any change of the key runs eagerly again, and a
+failed capture turns graphs off for the runner with a warning.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +96,11 @@ class StageProfile:
 
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph | None  # the whole call (a plan that streams nothing), else None
+    graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]  # the captured call's input tensors, in `_tensors` order
     output: State  # the captured call's output state (the graph's tensors)
     key: tuple
-    pieces: dict[int, tuple[torch.cuda.CUDAGraph, State | None]]  # segment index -> its compute, and the
-    # call's output state after the last segment (earlier segments' outputs are the pool's to reuse)
+    copies: list[tuple[int, int]]  # (streamed segment index, bytes) the graph copies on each replay
 
 
 def _shape_signature(state: State) -> tuple:
@@ -241,7 +237,6 @@ class SegmentRunner:
         self._timed: dict[tuple, int] = {}  # shape signature -> calls that measured it
         self._ring: StreamRing | None = None
         self._copy_stream: torch.cuda.Stream | None = None
-        self._graph_stream: torch.cuda.Stream | None = None  # where the segments' graphs are captured
         self._computing: int | None = None
         self._issued: set[int] = set()  # streamed segments whose copy is queued and not yet computed
         self._bound_ring: Segment | None = None  # the streamed segment whose ring views are bound now
@@ -295,7 +290,7 @@ class SegmentRunner:
                            for keys in stage_keys), default=0)
             workspace = max(workspace, min(capacity // 2, capacity - largest))
         plan = self._plan_for(stages, stage_keys, workspace, signature)
-        if measuring or not self.graphs or self.device.type != "cuda":
+        if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
             return self._run_eager(plan, stages, state, signature, measuring)
         key = (signature, id(plan), self.store.generation, self._ring_serial, torch.is_grad_enabled())
         if self._graph is not None and self._graph.key == key:
@@ -322,8 +317,7 @@ class SegmentRunner:
             if plan.whole:
                 state = self._run_whole(plan, stages, state, measurement)
             else:
-                state = self._run_segments(plan, state, lambda segment, state: self._run_stages(
-                    stages, segment.start, segment.stop, state, measurement))
+                state = self._run_segments(plan, stages, state, measurement)
         finally:
             self._abandon()
         if measurement is not None:
@@ -339,112 +333,67 @@ class SegmentRunner:
     # ------------------------------------------------------------------------------------------ graphs
 
     def _capture(self, plan: SegmentPlan, stages: Sequence[Stage], state: State, key: tuple) -> State:
-        """Capture one call as CUDA graphs, replay them for this call's result, and keep them.
-
-        A plan that streams nothing is one graph. A plan that streams is one graph per segment, all sharing
-        one memory pool, with the copies into the ring, their events and the bindings left out of the
-        graphs: each replay queues them eagerly between the segments' graphs. Copies captured into a graph
-        ran at about 50 GB/s on the H200 where the same copies queued eagerly ran at 55
-        (bench/replay_trace.py), and a graph's launch stays one per segment instead of one per kernel.
-        """
+        """Capture one call as a CUDA graph, replay it once for this call's result, and keep it."""
         inputs = _clone_state(state)
         static = _tensors(inputs)  # before the capture: the stages change the state's structure
+        copies: list[tuple[int, int]] = []
+
+        def record(event: telemetry.Event) -> None:
+            if event.kind == "transfer" and str(event.get("key", "")).startswith("segment "):
+                copies.append((int(event["key"].removeprefix("segment ")), int(event["bytes"])))
+
         torch.cuda.synchronize(self.device)
-        generation, copies = self.store.generation, self.store.copies
-        pieces: dict[int, tuple[torch.cuda.CUDAGraph, State | None]] = {}
-        graph = None
+        graph = torch.cuda.CUDAGraph()
+        unsubscribe = self.bus.subscribe(record)
+        copies_before = self.store.copies
         try:
-            if plan.whole:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the GUI thread polls
-                    output = self._run_eager(plan, stages, inputs, key[0], False)
-            else:
-                output = self._capture_pieces(plan, stages, inputs, pieces)
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the GUI thread polls meanwhile
+                output = self._run_eager(plan, stages, inputs, key[0], False)
         except BaseException:
             self._forget_captured_copies()
             raise
-        if (self.store.copies, self.store.generation, self._ring_serial) != (copies, generation, key[3]):
-            # the capture copied weights in or evicted some (room got tighter): copies inside a capture are
-            # only recorded, never run, so nothing it touched may be trusted
+        finally:
+            unsubscribe()
+        if (self.store.copies, self.store.generation, self._ring_serial) != (copies_before, *key[2:4]):
+            # the capture copied weights in or evicted some (room got tighter): those copies were only
+            # recorded, never run, so nothing it touched may be trusted
             self._forget_captured_copies()
             raise RuntimeError("weights moved while the call was captured")
-        self._graph = _Graph(graph, static, output, key, pieces)
+        self._graph = _Graph(graph, static, output, key, copies)
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
         self.ledger.mark_pooled(self.module, "workspace", GRAPH_KEY)
         self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
         self.ledger.set_idle(self.module, GRAPH_KEY)
-        if plan.whole:
-            return self._replay(self._graph, plan, state)
-        return _clone_state(output)  # the pieces ran as they were captured
-
-    def _capture_pieces(
-        self, plan: SegmentPlan, stages: Sequence[Stage], state: State,
-        pieces: dict[int, tuple[torch.cuda.CUDAGraph, State | None]],
-    ) -> State:
-        """One eager call of a streaming plan whose segments' compute is captured, each into its own graph
-        in one shared pool, and replayed right away (this call's result). A segment's output state is kept
-        only for the last segment: the pool may reuse the others' memory once nothing references it, in the
-        order the graphs replay."""
-        pool = torch.cuda.graph_pool_handle()
-        capture_stream = self._capture_stream()
-        last = plan.segments[-1].index
-
-        def capture(segment: Segment, state: State) -> State:
-            graph = torch.cuda.CUDAGraph()
-            capture_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(capture_stream):
-                graph.capture_begin(pool, capture_error_mode="thread_local")
-                try:
-                    output = self._run_stages(stages, segment.start, segment.stop, state, None)
-                finally:
-                    graph.capture_end()
-            graph.replay()
-            pieces[segment.index] = (graph, output if segment.index == last else None)
-            return output
-
-        self._allocate(self.module, WORKSPACE_KEY, plan.workspace_bytes)
-        try:
-            return self._run_segments(plan, state, capture)
-        finally:
-            self._abandon()
-
-    def _capture_stream(self) -> torch.cuda.Stream:
-        if self._graph_stream is None:
-            self._graph_stream = torch.cuda.Stream(self.device)
-        return self._graph_stream
+        return self._replay(self._graph, plan, state)
 
     def _replay(self, graph: _Graph, plan: SegmentPlan, state: State) -> State:
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)  # active again while it runs
         try:
             for target, value in zip(graph.inputs, _tensors(state), strict=True):
                 target.copy_(value)
-            if graph.graph is None:
-                return _clone_state(self._replay_pieces(graph, plan))
             graph.graph.replay()
-            self._publish_replay(plan)
+            self._publish_replay(graph, plan)
             return _clone_state(graph.output)
         finally:
             if self._graph is graph:
                 self.ledger.set_idle(self.module, GRAPH_KEY)
 
-    def _replay_pieces(self, graph: _Graph, plan: SegmentPlan) -> State:
-        """The segments' graphs in order, with the copies into the ring queued eagerly between them."""
+    def _rereads(self, plan: SegmentPlan) -> bool:
+        """Whether a streamed segment re-reads disk-home weights on every call: such host reads cannot be
+        captured (a graph would copy from the first call's buffers)."""
+        if plan.whole:
+            return False
+        return any(self.store.home(k) == "disk" for s in plan.segments if s.streamed for k in s.keys)
 
-        def replay(segment: Segment, state: State) -> State:
-            piece, output = graph.pieces[segment.index]
-            piece.replay()
-            return output
-
-        try:
-            return self._run_segments(plan, {}, replay, bind=False)
-        finally:
-            self._abandon()
-
-    def _publish_replay(self, plan: SegmentPlan) -> None:
-        """The events of an eager call of a plan that streams nothing, published while the GPU runs the
-        replay (host times, so a trace shows when the work was queued): the GUI and the counters stay the
-        same with graphs."""
+    def _publish_replay(self, graph: _Graph, plan: SegmentPlan) -> None:
+        """The events of an eager call, published while the GPU runs the replay (host times, so a trace
+        shows when the work was queued): the GUI and the counters stay the same with graphs."""
+        copies = dict(graph.copies)
         for segment in plan.segments:
+            if segment.index in copies:
+                self.bus.publish("transfer", device=self._device_name, module=self.module,
+                                 key=f"segment {segment.index}", bytes=copies[segment.index], direction="h2d",
+                                 seconds=0.0, stream="graph")
             self.bus.publish("segment_start", device=self._device_name, module=self.module,
                              index=segment.index, stages=(segment.start, segment.stop),
                              weight_bytes=segment.weight_bytes)
@@ -496,20 +445,16 @@ class SegmentRunner:
         return state
 
     def _run_segments(
-        self, plan: SegmentPlan, state: State, compute: Callable[[Segment, State], State], bind: bool = True
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: _Measurement | None
     ) -> State:
-        """Run `plan`'s segments in order, `compute(segment, state)` doing each one's stages, with the
-        streamed segments' copies queued as the ring allows. `bind` False: `compute` replays captured
-        graphs, which read no parameter objects, so nothing is bound or pinned (the graph's key vouches
-        that no replica moved)."""
         ring = self._ring_for(plan)
         resident = self._resident_keys(plan)
         streamed = [s for s in plan.segments if s.streamed]
         stream = None
         if self.device.type == "cuda":
-            current = torch.cuda.current_stream(self.device)
-            stream = self._side_stream() if self.prefetch else current
-            stream.wait_stream(current)  # the ring's bytes may still be read by the last call's compute
+            compute = torch.cuda.current_stream(self.device)
+            stream = self._side_stream() if self.prefetch else compute
+            stream.wait_stream(compute)  # the ring's bytes may still be read by the last call's compute
         queued = 0  # streamed segments whose copy is queued, in order
         for segment in plan.segments:
             if self.prefetch:
@@ -523,13 +468,12 @@ class SegmentRunner:
                 if stream is not None:
                     ring.wait_copied(segment)
                 self._issued.discard(segment.index)
-                if bind:
-                    self._bound_ring = segment
-                    self._hold(ring.bind(plan, segment, resident))
-            elif bind and self._held.get(segment.index) != (id(plan), self.store.generation):
+                self._bound_ring = segment
+                self._hold(ring.bind(plan, segment, resident))
+            elif self._held.get(segment.index) != (id(plan), self.store.generation):
                 self._hold(segment.keys)  # else its replicas are bound since it last ran: nothing to do
-            state = compute(segment, state)
-            if bind and not segment.streamed:
+            state = self._run_stages(stages, segment.start, segment.stop, state, measurement)
+            if not segment.streamed:
                 self._held[segment.index] = (id(plan), self.store.generation)
             if segment.streamed:
                 ring.mark_done(segment)
