@@ -10,6 +10,8 @@ replay_trace.py does) of SD1.5 at 1103 MiB and SDXL at 388 MiB with the runtime 
   outputs are WRONG; it shows what the waits cost);
 - "last wait only": each copy waits only for the latest segment it overwrites (enough, since the compute
   stream runs segments in order);
+- "waits per group of N copies": the first copy of each N waits for the latest segment any of them
+  overwrites, the rest for nothing (still correct: the copy stream runs them in order);
 - "bridge kernel" / "bridge copy": a one-thread kernel or a 64-byte copy on the copy stream between a
   copy's waits and the copy, so that its direct predecessor in the graph is on its own branch.
 
@@ -48,6 +50,32 @@ def with_waits(choose: Callable[[tuple[int, ...]], tuple[int, ...]]) -> Callable
     return place
 
 
+def grouped_waits(group: int) -> Callable:
+    """Streamed segments in groups of up to `group`: the first copy of a group waits for the latest segment
+    that any copy of the group overwrites, the others wait for nothing (the copy stream runs them after it).
+    A copy that overwrites a segment at or after its group's first starts a new group."""
+
+    def place(segments: list[Segment], ring: int) -> list[Segment]:
+        placed = PLACE(segments, ring)
+        waits: dict[int, tuple[int, ...]] = {}
+        first: Segment | None = None
+        members = 0
+        for s in (s for s in placed if s.streamed):
+            latest = max(s.waits, default=None)
+            if first is not None and members < group and (latest is None or latest < first.index):
+                merged = max(waits[first.index] + ((latest,) if latest is not None else ()), default=None)
+                waits[first.index] = (merged,) if merged is not None else ()
+                waits[s.index] = ()
+                members += 1
+            else:
+                first, members = s, 1
+                waits[s.index] = (latest,) if latest is not None else ()
+        return [Segment(s.index, s.start, s.stop, s.keys, s.weight_bytes, s.cost_bytes, s.streamed,
+                        s.ring_offset, s.ring_bytes, waits.get(s.index, ())) for s in placed]
+
+    return place
+
+
 def bridged(bridge: str) -> Callable:
     spare: dict[str, torch.Tensor] = {}
 
@@ -68,6 +96,8 @@ VARIANTS = {
     "default": (PLACE, COPY_RUNS),
     "no copy waits (wrong outputs)": (with_waits(lambda waits: ()), COPY_RUNS),
     "last wait only": (with_waits(lambda waits: (max(waits),) if waits else ()), COPY_RUNS),
+    "waits per group of 4 copies": (grouped_waits(4), COPY_RUNS),
+    "waits per group of 16 copies": (grouped_waits(16), COPY_RUNS),
     "bridge kernel": (PLACE, bridged("kernel")),
     "bridge copy": (PLACE, bridged("copy")),
 }
@@ -77,14 +107,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
     args = parser.parse_args()
+    chosen = [v for v in args.variants.split(",") if v] or list(VARIANTS)
     device = torch.device("cuda")
     rows = []
     for name, config, side in model_cases(False):
         weights = random_weights(config, torch.float16, device)
         inputs = unet_inputs(config, side, torch.float16, device)
         budget = BUDGETS[name.split()[0]] * MIB
-        for label, (place, copy_runs) in VARIANTS.items():
+        for label in chosen:
+            place, copy_runs = VARIANTS[label]
             segment_plan._place_in_ring = place
             stream_ring.StreamRing._copy_runs = copy_runs
             row = replay_trace.trace_point(name, config, weights, inputs, device, budget, None, "auto")
