@@ -7,12 +7,15 @@ Otherwise each stage gets a role (reference/001 "graph-cut segments", edge-dit's
 - streamed: its weights are copied, for every call, into a ring buffer of `ring_bytes` that streamed
   segments share in order, and dropped after the segment computes.
 
-The ring holds at least two of the largest stages, and up to an eighth of the room (at most RING_TARGET);
-with room for two streamed segments the copy of the next segments overlaps the current one's compute
-(double buffering and deeper). With less room than two of the largest stages the whole room is the ring,
-cut into halves: stages larger than half of it stream alone, the others still overlap. Resident bytes =
-capacity - workspace - ring, so the bytes streamed per call are the weights - that, the least any plan can
-stream plus the ring. Which stages stream is chosen
+The ring holds at least two of the largest streamed stages, and up to an eighth of the room (at most
+RING_TARGET); with room for two streamed segments the copy of the next segments overlaps the current one's
+compute (double buffering and deeper). With less room than two of the largest stages the whole room is the
+ring, cut into halves: stages larger than half of it stream alone, the others still overlap. Resident bytes
+= capacity - workspace - ring, so the bytes streamed per call are the weights - that: the ring's bytes
+stream on top of what cannot stay resident. Once stage times and the copy bandwidth are known, smaller
+rings are offered beside that default (a sixteenth of the room; two of a smaller stage, the larger stages
+kept resident) and stream_model.py's model of the two streams picks the fastest: on the H200 a 126 MiB ring
+was a sixth of SD1.5's streamed bytes at 1103 MiB. Which stages stream is chosen
 so that streamed bytes are spread over the call in proportion to the stages' compute time (measured on
 the first call of an input shape; uniform before): the copy engine then runs beside compute from the
 first stage to the last instead of stalling compute where streamed stages cluster.
@@ -35,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.memory import stream_model
 from engine.memory.ledger import MIB, BudgetExceeded
 from engine.memory.weight_store import aligned
 from engine.models.staged import Stage
@@ -79,13 +83,16 @@ def plan_segments(
     stage_seconds: Sequence[float] | None = None,
     overlap: bool = True,
     ring_target: int | None = None,
+    bandwidth: float | None = None,
 ) -> SegmentPlan:
     """Plan `stages` so that resident weights + stream ring + workspace <= budget_available.
 
     `stage_weight_bytes[i]` maps the keys stage i reads to their bytes; `resident_keys` are weights that
     stay on the device anyway (they cost nothing). `stage_seconds` weighs where streamed bytes go (uniform
     when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute.
-    `ring_target` defaults to RING_TARGET. A stage that cannot fit alone raises BudgetExceeded.
+    `ring_target` defaults to RING_TARGET. With `bandwidth` (bytes per second of the copies) and stage
+    times, the plan is the fastest by stream_model.py of the default ring and smaller rings that keep the
+    largest stages resident (see `_ring_choices`). A stage that cannot fit alone raises BudgetExceeded.
     """
     ring_target = RING_TARGET if ring_target is None else ring_target
     if len(stage_weight_bytes) != len(stages):
@@ -108,31 +115,60 @@ def plan_segments(
                 f"weights + {workspace_estimate} bytes of workspace > {budget_available} bytes "
                 f"available; raise --max-vram or free device memory"
             )
-    largest = max(ring_sizes)
-    if overlap and room >= 2 * largest:
-        ring = min(room, max(2 * largest, min(ring_target, room // RING_SHARE)))
-        chunk = max(largest, ring // RING_CHUNKS)
-    elif overlap:  # too little room to double-buffer the largest stage: the smaller ones still can
-        ring, chunk = room, room // 2
-    else:
-        ring = min(room, max(largest, min(ring_target, room // RING_SHARE) // 2))
-        chunk = ring
-    streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk)
     known = stage_seconds is not None and len(stage_seconds) == len(stages) and sum(stage_seconds) > 0
     times = list(stage_seconds) if known else [0.0] * len(stages)
     time_cap = sum(times) / STREAMED_TIME_SHARE if known and STREAMED_TIME_SHARE else 0.0
-    segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk, workspace_estimate,
-                         times, time_cap)
-    segments = _place_in_ring(segments, ring)
-    resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
-    return SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring, resident_bytes,
-                       brought)
+    choices = _ring_choices(ring_sizes, room, ring_target, overlap)
+    if not (known and bandwidth):
+        choices = choices[:1]
+    plans = []
+    for ring, chunk, largest_streamed in choices:
+        forced = [size > largest_streamed for size in ring_sizes]
+        streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk, forced)
+        segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk,
+                             workspace_estimate, times, time_cap)
+        segments = _place_in_ring(segments, ring)
+        resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
+        plans.append(SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring,
+                                 resident_bytes, brought))
+    if len(plans) == 1:
+        return plans[0]
+    return min(plans, key=lambda plan: stream_model.step_seconds(plan, times, bandwidth))
+
+
+def _ring_choices(
+    sizes: Sequence[int], room: int, ring_target: int, overlap: bool
+) -> list[tuple[int, int, int]]:
+    """(ring bytes, chunk bytes, largest streamed stage) of the plans to choose from, the default first.
+
+    Default: the ring holds two of the largest stages and up to 1/RING_SHARE of the room (at most
+    `ring_target`). The ring's bytes are streamed on top of what cannot stay resident, so with prefetch
+    smaller rings are offered too: up to 1/(2 RING_SHARE) of the room, and two of a smaller stage with the
+    stages above it kept resident (SD1.5's two 59 MiB convolutions set a 119 MiB ring where two of the
+    next largest stages need 63), while those stages take at most half of the resident room.
+    """
+    largest = max(sizes)
+    if not overlap:
+        ring = min(room, max(largest, min(ring_target, room // RING_SHARE) // 2))
+        return [(ring, ring, largest)]
+    if room < 2 * largest:  # too little room to double-buffer the largest stage: the smaller ones still can
+        return [(room, room // 2, largest)]
+    choices = []
+    for share in (RING_SHARE, 2 * RING_SHARE):
+        for bound in sorted(set(sizes), reverse=True)[:4]:
+            ring = min(room, max(2 * bound, min(ring_target, room // share)))
+            kept = sum(size for size in sizes if size > bound)
+            if kept <= (room - ring) // 2 and (ring, bound) not in [(r, b) for r, _, b in choices]:
+                choices.append((ring, max(bound, ring // RING_CHUNKS), bound))
+    return choices
 
 
 def _streamed_stages(
-    sizes: Sequence[int], resident_room: int, seconds: Sequence[float] | None, run: int
+    sizes: Sequence[int], resident_room: int, seconds: Sequence[float] | None, run: int,
+    forced: Sequence[bool] | None = None,
 ) -> list[bool]:
     """Which stages stream: resident while the room lasts, streamed bytes keeping pace with compute time.
+    `forced` stages stay resident whatever the pace (they are larger than the ring allows).
 
     The streamed bytes follow the pace within half a `run` either way (hysteresis), so roles alternate in
     runs of about `run` bytes rather than stage by stage: fewer, larger segments.
@@ -140,12 +176,17 @@ def _streamed_stages(
     times = list(seconds) if seconds is not None and len(seconds) == len(sizes) else [1.0] * len(sizes)
     if sum(times) <= 0:
         times = [1.0] * len(sizes)
+    forced = list(forced) if forced is not None else [False] * len(sizes)
     to_stream = max(0, sum(sizes) - resident_room)
-    total_time, elapsed, streamed_bytes, resident_bytes = sum(times), 0.0, 0, 0
+    total_time, elapsed, streamed_bytes = sum(times), 0.0, 0
+    resident_bytes = sum(size for size, kept in zip(sizes, forced, strict=True) if kept)
     roles = []
     stream = False
-    for size, time in zip(sizes, times, strict=True):
+    for size, time, kept in zip(sizes, times, forced, strict=True):
         elapsed += time
+        if kept:
+            roles.append(False)
+            continue
         pace = to_stream * elapsed / total_time
         fits = resident_bytes + size <= resident_room
         if size:

@@ -45,6 +45,7 @@ import torch
 
 from engine import telemetry
 from engine.devices import device_name
+from engine.memory import stream_model
 from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
 from engine.memory.stream_ring import StreamRing
@@ -643,7 +644,9 @@ class SegmentRunner:
         weights = [{k: self.store.nbytes(k) for k in keys} for keys in stage_keys]
         resident = [k for keys in stage_keys for k in keys if self.store.home(k) == "device"]
         if self.segmented:
-            plan = plan_segments(stages, weights, workspace, capacity, resident, seconds, self.prefetch)
+            bandwidth = stream_model.copy_bandwidth(self.device) if seconds and self.prefetch else None
+            plan = plan_segments(stages, weights, workspace, capacity, resident, seconds, self.prefetch,
+                                 bandwidth=bandwidth)
         else:
             everything = sum(self.store.nbytes(k) for keys in stage_keys for k in keys)
             plan = plan_segments(stages, weights, workspace, max(capacity, everything + workspace), resident)

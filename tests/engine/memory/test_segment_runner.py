@@ -361,3 +361,29 @@ def test_below_room_for_two_large_stages_the_small_ones_still_overlap():
     assert big.stop - big.start == 1  # streams alone
     small_pairs = [(a, b) for a, b in zip(streamed, streamed[1:], strict=False) if big not in (a, b)]
     assert small_pairs and all(a.index not in b.waits for a, b in small_pairs)
+
+
+def test_with_a_copy_rate_a_large_stage_stays_resident_so_the_ring_can_shrink():
+    # one block four times the others (11 blocks in all): the default ring holds two of it, 8 blocks of the
+    # 10.5 of room, so 2 whole blocks stay resident and 9 stream each call; keeping the large one resident
+    # lets a ring of two small blocks do: 4 small blocks stay resident beside it and 3 stream
+    stages, weights = toy_stages(8)
+    weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
+    budget = 21 * BLOCK_BYTES // 2 + WORKSPACE
+    seconds = [1e-3] * 8
+    bandwidth = BLOCK_BYTES / 1e-3  # a block's copy takes as long as a stage's compute: copies dominate
+    default = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds)
+    chosen = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds, bandwidth=bandwidth)
+    assert default.ring_bytes == 8 * BLOCK_BYTES and chosen.ring_bytes == 2 * BLOCK_BYTES
+    check_plan(chosen, budget)
+    assert not next(s for s in chosen.segments if s.start <= 3 < s.stop).streamed
+    streamed = [sum(s.ring_bytes for s in plan.segments if s.streamed) for plan in (default, chosen)]
+    assert streamed == [9 * BLOCK_BYTES, 3 * BLOCK_BYTES]
+
+
+def test_without_stage_times_a_copy_rate_changes_nothing():
+    stages, weights = toy_stages(8)
+    weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
+    budget = 21 * BLOCK_BYTES // 2 + WORKSPACE
+    assert plan_segments(stages, weights, WORKSPACE, budget, bandwidth=1e9) == plan_segments(
+        stages, weights, WORKSPACE, budget)
