@@ -44,8 +44,9 @@ def step_seconds(plan: SegmentPlan, stage_seconds: Sequence[float], bandwidth: f
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
-    """Pinned host-to-device bytes per second of a CUDA device, measured once (the best of three 16 MiB
-    copies); None for other devices, whose copies do not overlap compute."""
+    """Pinned host-to-device bytes per second of a CUDA device, measured once per process (the best of
+    three 16 MiB copies, into 16 MiB of device memory that the caching allocator keeps for later use, outside
+    any ledger); None for other devices, whose copies do not overlap compute."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
