@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+import gc  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -127,6 +128,29 @@ class GuiFail(NodeType):
 
 
 TEST_TYPES = (GuiNumber, GuiScale, GuiGradient, GuiPreview, GuiSink, GuiSleep, GuiFail)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def freeze_imported_objects():
+    """Move what the imports made (torch, Qt, the engine) out of the collector's sight, so that the
+    collection after each test below looks only at what tests made."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage_between_tests(freeze_imported_objects):
+    """After each GUI test, delete its Qt objects and collect its cyclic garbage while no engine thread runs.
+
+    Once, in a fresh clone's suite, the interpreter crashed (SIGSEGV) in a garbage collection that began on
+    the GUI thread while test_default_workflow_gui's engine thread was running a job; the collection was
+    freeing garbage left by earlier tests. Collecting at each test's end leaves later tests little to free.
+    """
+    yield
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+    gc.collect()
 
 
 @pytest.fixture
