@@ -14,25 +14,19 @@ Rows (GB/s over the whole pattern, CUDA events):
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-MIB = 1024**2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memory import MIB, measure  # noqa: E402
 
 
-def timed(fn, reps: int = 5) -> float:
-    """Median seconds of fn() over reps, after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+def timed(fn) -> float:
+    """Median seconds of fn() over 5 calls after one warm-up (bench/memory.py's measure)."""
+    return measure(torch.device("cuda"), fn, 1, 5)[0] / 1e3
 
 
 def main() -> int:

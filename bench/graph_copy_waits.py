@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -44,8 +45,7 @@ COPY_RUNS = stream_ring.StreamRing._copy_runs
 
 def with_waits(choose: Callable[[tuple[int, ...]], tuple[int, ...]]) -> Callable:
     def place(segments: list[Segment], ring: int) -> list[Segment]:
-        return [Segment(s.index, s.start, s.stop, s.keys, s.weight_bytes, s.cost_bytes, s.streamed,
-                        s.ring_offset, s.ring_bytes, choose(s.waits)) for s in PLACE(segments, ring)]
+        return [replace(s, waits=choose(s.waits)) for s in PLACE(segments, ring)]
 
     return place
 
@@ -70,8 +70,7 @@ def grouped_waits(group: int) -> Callable:
             else:
                 first, members = s, 1
                 waits[s.index] = (latest,) if latest is not None else ()
-        return [Segment(s.index, s.start, s.stop, s.keys, s.weight_bytes, s.cost_bytes, s.streamed,
-                        s.ring_offset, s.ring_bytes, waits.get(s.index, ())) for s in placed]
+        return [replace(s, waits=waits.get(s.index, ())) for s in placed]
 
     return place
 
@@ -110,6 +109,9 @@ def main() -> int:
     parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
     args = parser.parse_args()
     chosen = [v for v in args.variants.split(",") if v] or list(VARIANTS)
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant {unknown[0]!r}; accepted: {', '.join(VARIANTS)}")
     device = torch.device("cuda")
     rows = []
     for name, config, side in model_cases(False):

@@ -177,13 +177,27 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="CONSTANT=value (repeatable)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    device = torch.device("cuda")
-    print(f"copy bandwidth {copy_bandwidth(device) / 1e9:.1f} GB/s", flush=True)
     wanted: dict[str, list[int]] = {}
     for point in args.points.split(","):
-        family, budget = point.split(":")
+        family, _, budget = point.partition(":")
+        if family not in ("SD1.5", "SDXL") or not budget.isdigit():
+            parser.error(f"bad point {point!r} in --points; accepted: SD1.5:MiB or SDXL:MiB, e.g. SDXL:388")
         wanted.setdefault(family, []).append(int(budget))
-    variants = [("default", {})] + [(v, dict(a.split("=") for a in v.split(","))) for v in args.variant]
+    variants = [("default", {})]
+    for variant in args.variant:
+        change = dict(a.partition("=")[::2] for a in variant.split(","))
+        for name, value in change.items():
+            if name == "GRAPHS":
+                good = value in ("on", "off", "auto")
+            else:
+                number = value.replace(".", "", 1).isdigit()
+                good = number and isinstance(getattr(segment_plan, name, None), int)
+            if not good:
+                parser.error(f"bad assignment {name}={value!r} in --variant; accepted: GRAPHS=on|off|auto or "
+                             "RING_TARGET, RING_SHARE, RING_CHUNKS, STREAMED_TIME_SHARE = a number")
+        variants.append((variant, change))
+    device = torch.device("cuda")
+    print(f"copy bandwidth {copy_bandwidth(device) / 1e9:.1f} GB/s", flush=True)
     defaults = {name: getattr(segment_plan, name)
                 for _, change in variants for name in change if name != "GRAPHS"}
     rows, keep = [], args.out / "replay_trace.json"

@@ -25,10 +25,10 @@ ring (at least the largest stage), so that the copies of the following chunks fi
 and, once stage times are measured, of at most 1/STREAMED_TIME_SHARE of the call's compute: a segment's
 copy must end before its first stage starts, so a long segment with few weights (the full-resolution
 blocks of a UNet) would have its bytes arrive long before most of its stages need them, holding ring
-space that later copies wait for. Replaying the H200's measured stage times through a model of the two
-streams (bench/plan_study.py, with about 20 us per copy and 40 us per streamed segment of overhead fitted
-to the measured steps) puts the cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a
-few % slower at SDXL's smallest budget, where there are the most segments.
+space that later copies wait for. Session 11's study of the H200's measured stage times (bench/plan_study.py,
+then fitting about 20 us of overhead per copy and 40 us per streamed segment to the measured steps) put the
+cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a few % slower at SDXL's smallest
+budget, where there are the most segments.
 Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
 copy may start only after their compute has finished.
 """
@@ -36,7 +36,7 @@ copy may start only after their compute has finished.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.memory import stream_model
 from engine.memory.ledger import MIB, BudgetExceeded
@@ -153,14 +153,14 @@ def _ring_choices(
         return [(ring, ring, largest)]
     if room < 2 * largest:  # too little room to double-buffer the largest stage: the smaller ones still can
         return [(room, room // 2, largest)]
-    choices = []
+    choices: dict[tuple[int, int], int] = {}  # (ring, largest streamed stage) -> chunk, in order
     for share in (RING_SHARE, 2 * RING_SHARE):
         for bound in sorted(set(sizes), reverse=True)[:4]:
             ring = min(room, max(2 * bound, min(ring_target, room // share)))
             kept = sum(size for size in sizes if size > bound)
-            if kept <= (room - ring) // 2 and (ring, bound) not in [(r, b) for r, _, b in choices]:
-                choices.append((ring, max(bound, ring // RING_CHUNKS), bound))
-    return choices
+            if kept <= (room - ring) // 2:
+                choices.setdefault((ring, bound), max(bound, ring // RING_CHUNKS))
+    return [(ring, chunk, bound) for (ring, bound), chunk in choices.items()]
 
 
 def _streamed_stages(
@@ -250,7 +250,6 @@ def _place_in_ring(segments: list[Segment], ring: int) -> list[Segment]:
         end = cursor + segment.ring_bytes
         waits = tuple(index for start, stop, index in placed if start < end and cursor < stop)
         placed = [p for p in placed if not (p[0] >= cursor and p[1] <= end)] + [(cursor, end, segment.index)]
-        out.append(Segment(segment.index, segment.start, segment.stop, segment.keys, segment.weight_bytes,
-                           segment.cost_bytes, True, cursor, segment.ring_bytes, waits))
+        out.append(replace(segment, ring_offset=cursor, waits=waits))
         cursor = end
     return out

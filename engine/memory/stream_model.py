@@ -5,7 +5,8 @@ overwrites (`Segment.waits`) have been queued for compute; the copy engine runs 
 its bytes arrive at `bandwidth` plus COPY_GAP and after the compute of the segments it waits for; a segment
 computes after the one before it and, when streamed, after its copy. The call takes until both streams are
 done. With the stage times of the H200's graph-replayed steps and the copy rate seen inside those graphs (50
-GB/s), this predicts measured SD1.5 and SDXL budgeted steps within 4% (bench/results/, session 12).
+GB/s), this predicts measured SD1.5 and SDXL budgeted steps within 4% (bench/results/: the default-ring
+columns of plan_study_20261130_s12_ring_choices.log against replay_trace_cuda_20261130_s12_b_*.log).
 """
 
 from __future__ import annotations
