@@ -11,9 +11,12 @@ time (CUDA events) of --steps after --warmup, peak `torch.cuda.max_memory_alloca
 tracked peak instead), peak `max_memory_reserved` (both above what the process held before the point, such
 as cuBLAS's workspace), and bytes copied per step. The physical line is
 max(resident step time, bytes that cannot stay resident / measured pinned copy bandwidth), where the bytes
-that cannot stay resident are all weights + workspace - budget (ANCHORS.md "What this says"); the last
-column is the step time over it. Writes a table, a CSV, a JSON
-and a PNG (matplotlib if available, else Pillow) to bench/results/.
+that cannot stay resident are all weights + workspace - budget (ANCHORS.md "What this says"); "/ physical"
+is the step time over it. The floor is the least step time any plan within the budget can reach at that
+bandwidth, from the resident run's per-stage times and workspace peaks (engine/memory/stream_model.py,
+floor_seconds): above the physical line where the budget cannot hold the bytes that a UNet's heavy middle
+must have prefetched during its long full-resolution stages; "/ floor" is the step time over it. Writes a
+table, a CSV, a JSON and a PNG (matplotlib if available, else Pillow) to bench/results/.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.devices import GIB, device_name  # noqa: E402
 from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
 from engine.memory.runtime import MemoryRuntime  # noqa: E402
+from engine.memory.segments import StageProfile  # noqa: E402
+from engine.memory.stream_model import floor_seconds  # noqa: E402
 from engine.models.detect import UNetConfig  # noqa: E402
 from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
 from engine.placement import MemorySettings  # noqa: E402
@@ -57,10 +62,15 @@ class Row:
     segments: int | None
     physical_ms: float | None = None  # max(resident step time, bytes that cannot stay resident / bandwidth)
     reserved_gib: float | None = None  # peak torch.cuda.max_memory_reserved (the caching allocator's pool)
+    floor_ms: float | None = None  # the least any plan within the budget takes (stream_model.floor_seconds)
 
     @property
     def over_physical(self) -> float | None:
         return None if self.step_ms is None or not self.physical_ms else self.step_ms / self.physical_ms
+
+    @property
+    def over_floor(self) -> float | None:
+        return None if self.step_ms is None or not self.floor_ms else self.step_ms / self.floor_ms
 
 
 def tiny_config(adm: int | None) -> UNetConfig:
@@ -147,9 +157,10 @@ def unet_inputs(config: UNetConfig, side: int, dtype: torch.dtype, device: torch
 
 
 def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.device, home: str,
-               budget: int | None, warmup: int, steps: int) -> tuple[float, float, float, float, int, int]:
-    """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes) of our runtime with
-    `home` weights under `budget`."""
+               budget: int | None, warmup: int, steps: int
+               ) -> tuple[float, float, float, float, int, int, StageProfile | None]:
+    """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes, per-stage times and
+    workspace peaks) of our runtime with `home` weights under `budget`."""
     before = release_garbage(device)
     bus = EventBus()
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
@@ -187,7 +198,8 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
             peak = ledger.peak_tracked / GIB
         else:
             peak, reserved = peak - before / GIB, reserved - before / GIB
-        return ms, peak, reserved, copied[0] / GIB, segments, plan["workspace_bytes"]
+        profile = runtime.stage_profile(name)
+        return ms, peak, reserved, copied[0] / GIB, segments, plan["workspace_bytes"], profile
     finally:
         runtime.unregister(name)
         gc.collect()
@@ -220,6 +232,20 @@ def stage_bytes(config: UNetConfig, dtype: torch.dtype) -> tuple[int, int]:
     unet = UNetModel(config, dtype=dtype, device="meta")
     sizes = [stage.parameter_bytes() for stage in unet.stages()]
     return max(sizes), sum(p.numel() * p.element_size() for p in unet.parameters())
+
+
+def floor_ms(config: UNetConfig, dtype: torch.dtype, profile: StageProfile | None, resident_ms: float,
+             budget: int, bandwidth: float) -> float | None:
+    """The least step time any plan can reach within `budget` (stream_model.floor_seconds), from the
+    resident run's per-stage times (scaled to its step time: the stages were timed eagerly) and workspace
+    peaks; None without a profile."""
+    if profile is None or sum(profile.seconds) <= 0:
+        return None
+    unet = UNetModel(config, dtype=dtype, device="meta")
+    sizes = [stage.parameter_bytes() for stage in unet.stages()]
+    scale = resident_ms / 1e3 / sum(profile.seconds)
+    seconds = [s * scale for s in profile.seconds]
+    return floor_seconds(seconds, sizes, profile.workspace, budget, bandwidth) * 1e3
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * MIB) -> float:
@@ -328,7 +354,8 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
     weights = random_weights(config, dtype, device)
     inputs = unet_inputs(config, side, dtype, device)
     largest, total = stage_bytes(config, dtype)
-    ms, peak, reserved, copied, segments, workspace = sluice_run(config, weights, inputs, device, "device",
+    ms, peak, reserved, copied, segments, workspace, profile = sluice_run(config, weights, inputs, device,
+                                                                          "device",
                                                                  None, args.warmup, args.steps)
     resident = Row(name, "sluice resident", None, ms, peak, copied, segments, ms, reserved)
     rows = [resident]
@@ -340,7 +367,7 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
         if budget in peaks:
             mode += f" (= {peaks[budget].removeprefix('diffusers ')} peak)"
         try:
-            ms, peak, reserved, copied, segments, _ = sluice_run(config, weights, inputs, device, "cpu",
+            ms, peak, reserved, copied, segments, *_ = sluice_run(config, weights, inputs, device, "cpu",
                                                                  budget, args.warmup, args.steps)
         except BudgetExceeded as error:
             print(f"{name}: {mode}: infeasible ({error})", file=sys.stderr)
@@ -348,7 +375,8 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
             continue
         must_stream = max(0, total + workspace - budget)  # what cannot stay resident under the budget
         physical = max(resident.step_ms, must_stream / bandwidth * 1e3)
-        rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical, reserved))
+        floor = floor_ms(config, dtype, profile, resident.step_ms, budget, bandwidth)
+        rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical, reserved, floor))
         print(format_table(rows[-1:], header=False), flush=True)
     return rows + theirs
 
@@ -368,6 +396,14 @@ def check_targets(rows: list[Row]) -> list[str]:
         if worst is not None:
             lines.append(f"{model}: worst step / physical line {worst.over_physical:.2f} (target <= 1.15) at "
                          f"{worst.budget_gib:.3f} GiB")
+        floored = [r for r in budgeted if r.over_floor is not None]
+        if floored:
+            low = max(floored, key=lambda r: r.floor_ms / r.physical_ms)
+            far = max(floored, key=lambda r: r.over_floor)
+            lines.append(f"{model}: the floor of any plan within the budget lies up to "
+                         f"{low.floor_ms / low.physical_ms:.2f}x above the physical line (at "
+                         f"{low.budget_gib:.3f} GiB); worst step / floor {far.over_floor:.2f} at "
+                         f"{far.budget_gib:.3f} GiB")
         if "diffusers resident" in theirs:
             ratio = mine[0].step_ms / theirs["diffusers resident"].step_ms
             lines.append(f"{model}: resident {mine[0].step_ms:.1f} ms vs diffusers "
@@ -383,21 +419,22 @@ def check_targets(rows: list[Row]) -> list[str]:
 
 def format_table(rows: list[Row], header: bool = True) -> str:
     lines = ["| model | mode | ms / step | peak GiB | reserved GiB | GiB copied / step | segments "
-             "| physical ms | / physical |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
+             "| physical ms | / physical | floor ms | / floor |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] if header else []
     for r in rows:
         def cell(v: float | None, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
         cells = (cell(r.step_ms, ".1f"), cell(r.peak_gib, ".3f"), cell(r.reserved_gib, ".3f"),
                  f"{r.copied_gib_per_step:.3f}", cell(r.segments, "d"), cell(r.physical_ms, ".1f"),
-                 cell(r.over_physical, ".2f"))
+                 cell(r.over_physical, ".2f"), cell(r.floor_ms, ".1f"), cell(r.over_floor, ".2f"))
         lines.append(f"| {r.model} | {r.mode} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot(rows: list[Row], path: Path) -> Path:
-    """Step time against peak memory per model; points per mode, the physical line through the sweep."""
+    """Step time against peak memory per model; points per mode, the physical line and the floor of any plan
+    through the sweep."""
     try:
         import matplotlib
 
@@ -412,6 +449,9 @@ def plot(rows: list[Row], path: Path) -> Path:
         sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
         axis.plot([r.peak_gib for r in sweep], [r.physical_ms for r in sweep], "--", color="grey",
                   label="max(resident, streamed / bandwidth)")
+        floored = [r for r in sweep if r.floor_ms is not None]
+        axis.plot([r.peak_gib for r in floored], [r.floor_ms for r in floored], ":", color="black",
+                  label="floor of any plan within the budget")
         for r in points:
             marker = "o" if r.mode.startswith("sluice") else "s"
             axis.scatter(r.peak_gib, r.step_ms, marker=marker, label=r.mode)
@@ -451,11 +491,15 @@ def _plot_with_pillow(rows: list[Row], path: Path) -> Path:
         sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
         if len(sweep) > 1:
             draw.line([xy(r.peak_gib, r.physical_ms) for r in sweep], fill="grey", width=2)
+        floored = [r for r in sweep if r.floor_ms is not None]
+        if len(floored) > 1:
+            draw.line([xy(r.peak_gib, r.floor_ms) for r in floored], fill="black", width=1)
         for r in points:
             x, y = xy(r.peak_gib, r.step_ms)
             color = "royalblue" if r.mode.startswith("sluice") else "darkorange"
             draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
-        draw.text((left + 5, top + 5), "blue: sluice, orange: diffusers, grey: physical line", fill="black")
+        draw.text((left + 5, top + 5), "blue: sluice, orange: diffusers, grey: physical line, black: floor",
+                  fill="black")
     image.save(path)
     return path
 

@@ -10,7 +10,9 @@ engine, each after the compute of the segments whose ring bytes it overwrites; a
 after its copy and the segment before it. The table gives the modelled step times beside the physical
 line of bench/memory.py
 (max(resident step, bytes that cannot stay resident / bandwidth)) and a plan-only lower bound (no ring
-limit): max over streamed segments j of (bytes streamed up to j / bandwidth + compute from j to the end).
+limit): max over streamed segments j of (bytes streamed up to j / bandwidth + compute from j to the end),
+and the floor of any plan within the budget at the measured bandwidth (stream_model.floor_seconds: the
+physical line, raised where the budget cannot hold what the heavy middle stages need prefetched).
 Stage times are the profile's, scaled so that they sum to the resident step time (a graph replay).
 """
 
@@ -27,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.memory.ledger import BudgetExceeded  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
-from engine.memory.stream_model import step_seconds  # noqa: E402
+from engine.memory.stream_model import floor_seconds, step_seconds  # noqa: E402
 from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
 
 MIB = 1024**2
@@ -69,8 +71,10 @@ def study(profile: dict, bandwidth: float, budgets: list[int] | None, copy_rate:
           f"{workspace / MIB:.1f} MiB, copy {bandwidth / 1e9:.1f} GB/s (modelled copies at "
           f"{copy_rate / 1e9:.1f})")
     print("| budget MiB | default ring MiB | modelled ms | chosen ring MiB | streamed MiB | segments "
-          "| modelled ms | plan bound ms | physical ms | modelled / physical |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| modelled ms | plan bound ms | physical ms | modelled / physical | floor ms | floor / physical |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    sizes = [sum(w.values()) for w in weights]
+    peaks = [r["workspace_bytes"] for r in measured]
     family = "SD1.5" if name.startswith("SD1") else "SDXL"
     for budget_mib in budgets or DEFAULT_BUDGETS[family]:
         budget = budget_mib * MIB
@@ -78,16 +82,17 @@ def study(profile: dict, bandwidth: float, budgets: list[int] | None, copy_rate:
             default = plan_segments(stages, weights, workspace, budget, (), seconds)
             plan = plan_segments(stages, weights, workspace, budget, (), seconds, bandwidth=copy_rate)
         except BudgetExceeded:
-            print(f"| {budget_mib} | infeasible | | | | | | | | |")
+            print(f"| {budget_mib} | infeasible | | | | | | | | | | |")
             continue
         modelled = step_seconds(plan, seconds, copy_rate)
         physical = max(sum(seconds), max(0, total + workspace - budget) / bandwidth)
         streamed = sum(s.ring_bytes for s in plan.segments if s.streamed)
+        floor = floor_seconds(seconds, sizes, peaks, budget, bandwidth)
         print(f"| {budget_mib} | {default.ring_bytes / MIB:.0f} | "
               f"{step_seconds(default, seconds, copy_rate) * 1e3:.1f} | {plan.ring_bytes / MIB:.0f} | "
               f"{streamed / MIB:.0f} | {len(plan.segments)} | {modelled * 1e3:.1f} | "
               f"{plan_bound(plan, seconds, copy_rate) * 1e3:.1f} | {physical * 1e3:.1f} | "
-              f"{modelled / physical:.2f} |")
+              f"{modelled / physical:.2f} | {floor * 1e3:.1f} | {floor / physical:.2f} |")
 
 
 def main() -> int:

@@ -64,3 +64,53 @@ def copy_bandwidth(device: torch.device) -> float | None:
             best = min(best, start.elapsed_time(end) / 1e3)
         _BANDWIDTH[index] = PROBE_BYTES / max(best, 1e-9)
     return _BANDWIDTH[index]
+
+
+def floor_seconds(
+    stage_seconds: Sequence[float],
+    stage_bytes: Sequence[int],
+    stage_workspace: Sequence[int],
+    budget: int,
+    bandwidth: float,
+) -> float:
+    """A lower bound on the seconds of one call, repeated, of any plan of these stages within `budget`.
+
+    `stage_bytes[i]`: the weight bytes stage i reads (that are not on the device for good);
+    `stage_workspace[i]`: the peak bytes it allocates besides weights; `budget`: bytes for weights and
+    workspace. Whatever stays resident, however the copies are ordered, sized and buffered (across calls
+    too), one copy engine moving `bandwidth` bytes per second and the budget held at every moment give:
+
+    - the physical line: max(all compute, (weights + the peak workspace - budget) / bandwidth);
+    - for every window H of consecutive stages (cyclically) and L the stages before it: at the moment a
+      stage s of L peaks, the bytes already on the device for H are at most budget - its workspace -
+      what is resident; the copy engine adds `bandwidth` bytes per second from then until H starts.
+      So at least bytes(H) - budget + max over s of (workspace(s) - bandwidth x compute from s to H's
+      start) arrive while H runs, and a call takes at least compute(L) + max(compute(H), that /
+      bandwidth).
+
+    A UNet keeps most of its weights in its low-resolution middle and spends most of its compute at full
+    resolution, where its workspace peaks: the bytes the middle streams cannot be prefetched during the
+    full-resolution stages beyond what the budget leaves, so at middle budgets this floor lies well above
+    the physical line (SD1.5 at 1100 MiB: 1.2x on the H200, bench/results/floor_*.log). O(stages^2).
+    """
+    count = len(stage_seconds)
+    if not (len(stage_bytes) == len(stage_workspace) == count):
+        raise ValueError(f"{count} stage times but {len(stage_bytes)} byte counts and "
+                         f"{len(stage_workspace)} workspace peaks")
+    compute = sum(stage_seconds)
+    best = max(compute, (sum(stage_bytes) + max(stage_workspace, default=0) - budget) / bandwidth)
+    for start in range(count):  # H begins at stage `start`; L is the stages before it, nearest first
+        worst, elapsed, running = [], 0.0, 0.0  # worst[k-1]: the max over L's k nearest stages (and 0)
+        for back in range(1, count):
+            stage = (start - back) % count
+            elapsed += stage_seconds[stage]
+            running = max(running, stage_workspace[stage] - bandwidth * elapsed)
+            worst.append(running)
+        window_seconds, window_bytes = 0.0, 0
+        for length in range(1, count):  # H: stages start .. start + length - 1
+            stage = (start + length - 1) % count
+            window_seconds += stage_seconds[stage]
+            window_bytes += stage_bytes[stage]
+            during = window_bytes - budget + worst[count - length - 1]
+            best = max(best, compute - window_seconds + max(window_seconds, during / bandwidth))
+    return best

@@ -1,9 +1,9 @@
-"""The two-stream model against schedules worked out by hand."""
+"""The two-stream model and the floor of any plan, against schedules worked out by hand."""
 
 import pytest
 
 from engine.memory.segment_plan import Segment, SegmentPlan
-from engine.memory.stream_model import COPY_GAP, step_seconds
+from engine.memory.stream_model import COPY_GAP, floor_seconds, step_seconds
 
 
 def three_segments(waits):
@@ -32,3 +32,33 @@ def test_a_copy_waits_for_the_compute_of_the_segment_it_overwrites():
 def test_a_whole_plan_takes_its_compute_time():
     whole = SegmentPlan((Segment(0, 0, 3, ("a",), 10, 10),), 0, 1000, True)
     assert step_seconds(whole, [0.5, 0.25, 1.0], bandwidth=1.0) == pytest.approx(1.75)
+
+
+def test_the_floor_is_the_compute_time_when_every_weight_fits():
+    assert floor_seconds([1.0, 1.0], [10, 10], [0, 0], budget=100, bandwidth=10.0) == pytest.approx(2.0)
+
+
+def test_the_floor_is_the_physical_line_when_weights_follow_compute():
+    # 40 bytes, none can stay: 8 s of copies; no window of 1-3 stages needs more than 1 + 30 / 5 = 7 s
+    assert floor_seconds([1.0] * 4, [10] * 4, [0] * 4, budget=0, bandwidth=5.0) == pytest.approx(8.0)
+
+
+def test_weights_between_long_light_stages_raise_the_floor_above_the_physical_line():
+    # the physical line: max(7 s of compute, (30 - 10) / 10) = 7 s. But at most 10 bytes of the middle
+    # stage's 30 can be on the device before it starts: 20 arrive while it runs, 2 s instead of 1
+    assert floor_seconds([3.0, 1.0, 3.0], [0, 30, 0], [0, 0, 0], budget=10, bandwidth=10.0) == \
+        pytest.approx(3.0 + 2.0 + 3.0)
+
+
+def test_a_workspace_peak_just_before_the_heavy_stage_leaves_less_room_to_prefetch():
+    # without workspace: 10 bytes prefetched, 20 during the middle stage: 3.1 + 2 s. With 5 bytes of
+    # workspace in the 0.1 s stage before it: at most 5 bytes on the device at its peak, 1 more copied
+    # in its 0.1 s, so 24 arrive during the middle stage: 3 + 0.1 + 2.4 s
+    times, sizes = [0.1, 1.0, 3.0], [0, 30, 0]
+    assert floor_seconds(times, sizes, [0, 0, 0], budget=10, bandwidth=10.0) == pytest.approx(5.1)
+    assert floor_seconds(times, sizes, [5, 0, 0], budget=10, bandwidth=10.0) == pytest.approx(5.5)
+
+
+def test_the_floor_names_mismatched_stage_lists():
+    with pytest.raises(ValueError, match="2 stage times but 3 byte counts and 2 workspace peaks"):
+        floor_seconds([1.0, 1.0], [1, 2, 3], [0, 0], budget=10, bandwidth=1.0)
