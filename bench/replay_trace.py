@@ -117,8 +117,24 @@ def timeline(trace: dict) -> dict:
         "copy_idle_under_compute_ms": overlap(copy_idle, compute) / 1e3,
         "copy_idle_tail_ms": (span[1] - copy_busy[-1][1]) / 1e3 if copy_busy else 0.0,
         "copy_idle_head_ms": (copy_busy[0][0] - span[0]) / 1e3 if copy_busy else 0.0,
-        "copy_events": [(e["ts"] - span[0], e["dur"], e.get("args", {}).get("bytes", 0)) for e in h2d],
+        # per copy: start, duration (us), bytes, the share of it that some kernel ran beside, and the kernel
+        # that ran beside it longest (does compute slow the copy engine down?)
+        "copy_events": [(e["ts"] - span[0], e["dur"], e.get("args", {}).get("bytes", 0),
+                         overlap([(e["ts"], e["ts"] + e["dur"])], compute) / max(e["dur"], 1e-9),
+                         _longest_beside(e, trace)) for e in h2d],
     }
+
+
+def _longest_beside(copy: dict, trace: dict) -> str:
+    """The name of the kernel that ran longest during `copy` ('' when none ran)."""
+    start, end = copy["ts"], copy["ts"] + copy["dur"]
+    best, name = 0.0, ""
+    for event in trace["traceEvents"]:
+        if event.get("cat") == "kernel":
+            shared = min(end, event["ts"] + event["dur"]) - max(start, event["ts"])
+            if shared > best:
+                best, name = shared, event.get("name", "")[:60]
+    return name
 
 
 def trace_point(name: str, config: object, weights: dict, inputs: tuple, device: torch.device, budget: int,

@@ -1,0 +1,174 @@
+"""The planner's real segment plans replayed with spin kernels in place of the UNet's compute: do the copies
+slow down inside a CUDA graph because of the plan's dependency structure, or because of the UNet's kernels?
+
+    python3 bench/plan_replay_toy.py bench/results/stage_profile_cuda_<time>.json \
+        [--points "SDXL:388,SD1.5:1103"] [--variant STREAMED_TIME_SHARE=0]
+
+For each point the planner (engine/memory/segment_plan.py, with the profile's stage times and workspace as
+bench/plan_study.py uses them) makes its plan; the toy then runs it the way the segment runner does: one
+ring of the plan's size, each streamed segment's bytes copied from its own span of one pinned buffer on a
+side stream, after the compute of the segments it overwrites, the compute of a streamed segment after its
+copy. Each stage's compute is one spin kernel (`torch.cuda._sleep`, no memory traffic) of the stage's
+measured time. Eagerly and as one captured graph, it prints ms per call and, from the profiler's timeline of
+one call, the copies' rate while the copy engine was busy (bench/replay_trace.py's figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plan_study import unet_stage_weights  # noqa: E402
+from replay_trace import timeline  # noqa: E402
+
+from engine.memory import segment_plan  # noqa: E402
+from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
+
+MIB = 1024**2
+
+
+def spin_rate(device: torch.device) -> float:
+    """Cycles per second of torch.cuda._sleep's loop."""
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / (start.elapsed_time(end) / 1e3)
+
+
+def plan_for(profile: dict, budget: int) -> tuple[SegmentPlan, list[float]]:
+    stages, weights = unet_stage_weights(profile["model"])
+    measured = profile["stages"]
+    scale = profile["resident_ms"] / 1e3 / sum(r["ms"] / 1e3 for r in measured)
+    seconds = [r["ms"] / 1e3 * scale for r in measured]
+    peak = max(r["workspace_bytes"] for r in measured)
+    workspace = peak + min(4 * MIB, peak // 16)
+    return plan_segments(stages, weights, workspace, budget, (), seconds, bandwidth=50e9), seconds
+
+
+def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: torch.Tensor,
+             spans: dict[int, int], copy_stream: torch.cuda.Stream) -> Callable[[], None]:
+    streamed = [s for s in plan.segments if s.streamed]
+
+    def call() -> None:
+        compute = torch.cuda.current_stream()
+        copy_stream.wait_stream(compute)
+        done: dict[int, torch.cuda.Event] = {}
+        copied: dict[int, torch.cuda.Event] = {}
+        queued = 0
+        for segment in plan.segments:
+            while queued < len(streamed) and all(w < segment.index for w in streamed[queued].waits):
+                copy = streamed[queued]
+                with torch.cuda.stream(copy_stream):
+                    for waited in copy.waits:
+                        copy_stream.wait_event(done[waited])
+                    start = spans[copy.index]
+                    ring[copy.ring_offset: copy.ring_offset + copy.ring_bytes].copy_(
+                        host[start: start + copy.ring_bytes], non_blocking=True)
+                    copied[copy.index] = torch.cuda.Event()
+                    copied[copy.index].record(copy_stream)
+                queued += 1
+            if segment.streamed:
+                compute.wait_event(copied[segment.index])
+            for stage in range(segment.start, segment.stop):
+                torch.cuda._sleep(cycles[stage])
+            done[segment.index] = torch.cuda.Event()
+            done[segment.index].record(compute)
+        compute.wait_stream(copy_stream)
+
+    return call
+
+
+def measure(call: Callable[[], None], calls: int = 10) -> tuple[float, dict]:
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        call()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        figures = timeline(json.loads(path.read_text()))
+    return statistics.median(times), figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("profile", type=Path)
+    parser.add_argument("--points", default="SDXL:388,SD1.5:1103")
+    parser.add_argument("--variant", action="append", default=[], help="CONSTANT=value of segment_plan.py")
+    args = parser.parse_args()
+    profiles = {p["model"].split()[0]: p for p in json.loads(args.profile.read_text())["models"]}
+    variants = [("default", {})]
+    variants += [(v, dict(a.partition("=")[::2] for a in v.split(","))) for v in args.variant]
+    for _, change in variants:
+        for name, value in change.items():
+            if not isinstance(getattr(segment_plan, name, None), int) or not value.isdigit():
+                parser.error(f"bad assignment {name}={value!r}; accepted: a segment_plan.py constant = an "
+                             "integer")
+    device = torch.device("cuda")
+    rate = spin_rate(device)
+    copy_stream = torch.cuda.Stream(device)
+    print("| point | variant | mode | segments | copies | ms / call | copy busy ms | copies GB/s while busy "
+          "| compute ms |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    defaults = {name: getattr(segment_plan, name) for _, change in variants for name in change}
+    for point in args.points.split(","):
+        family, _, budget = point.partition(":")
+        if family not in profiles or not budget.isdigit():
+            parser.error(f"bad point {point!r}; accepted: MODEL:MiB with MODEL one of {sorted(profiles)}")
+        for label, change in variants:
+            for name, value in defaults.items():
+                setattr(segment_plan, name, value)
+            for name, value in change.items():
+                setattr(segment_plan, name, int(value))
+            plan, seconds = plan_for(profiles[family], int(budget) * MIB)
+            cycles = [int(s * rate) for s in seconds]
+            spans, total = {}, 0
+            for segment in plan.segments:
+                if segment.streamed:
+                    spans[segment.index] = total
+                    total += segment.ring_bytes
+            host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
+            call = toy_call(plan, cycles, ring, host, spans, copy_stream)
+            for mode in ("eager", "graph"):
+                run = call
+                if mode == "graph":
+                    call()
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        call()
+                    run = graph.replay
+                ms, figures = measure(run)
+                print(f"| {point} | {label} | {mode} | {len(plan.segments)} | {len(spans)} | {ms:.2f} | "
+                      f"{figures.get('copy_busy_ms', 0):.2f} | {figures.get('copy_gbps', 0):.1f} | "
+                      f"{figures.get('compute_ms', 0):.2f} |", flush=True)
+            del host, ring
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
