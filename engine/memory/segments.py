@@ -120,6 +120,10 @@ def _shape_signature(state: State) -> tuple:
 _CYCLES_PER_SECOND: dict[int, float] = {}  # CUDA device index -> clock rate seen by torch.cuda._sleep
 MIN_HOLD, MAX_HOLD = 0.5e-3, 10e-3  # seconds the GPU is held before each measured stage
 TIMED_CALLS = 2  # CUDA calls of a shape that time its stages: the first also loads kernels, autotunes
+# seconds a timed CUDA stage takes beyond its time in a graph replay (events, the hold's hand-over): the
+# H200's stage times summed to 13.9 and 46.7 ms for SD1.5's 149 and SDXL's 343 stages against replayed steps
+# of 12.3 and 43.2 ms, 10.7 and 10.2 us a stage (bench/results/stage_profile_cuda_20261130_044004.log)
+TIMING_OVERHEAD = 10e-6
 
 
 def _cycles_per_second(device: torch.device) -> float:
@@ -149,6 +153,7 @@ class _Measurement:
     host time longer than the hold may include waiting for the GPU (a synchronising copy): it counts as the
     hold, so holds grow threefold per stage at most and never with the wait. Without the hold a launch-bound
     call (most eager calls) would time the host's launches, and streamed bytes would follow the wrong pace.
+    Each time is less TIMING_OVERHEAD (at most half of it): the stages' times then sum to a replayed call's.
     """
 
     def __init__(self, runner: SegmentRunner, state: State, count: int) -> None:
@@ -198,7 +203,8 @@ class _Measurement:
         if self._events:
             self._events[-1][2].synchronize()
         for index, start, end in self._events:
-            self.seconds[index] += start.elapsed_time(end) / 1e3
+            elapsed = start.elapsed_time(end) / 1e3
+            self.seconds[index] += max(elapsed - TIMING_OVERHEAD, elapsed / 2)
         workspace = max(self.workspace, 0)
         return workspace + min(WORKSPACE_SLACK, workspace // 16), self.seconds
 
@@ -645,6 +651,8 @@ class SegmentRunner:
         resident = [k for keys in stage_keys for k in keys if self.store.home(k) == "device"]
         if self.segmented:
             bandwidth = stream_model.copy_bandwidth(self.device) if seconds and self.prefetch else None
+            if bandwidth and self.graphs:  # the steady calls replay a graph, where copies run slower
+                bandwidth *= stream_model.GRAPH_COPY_SHARE
             plan = plan_segments(stages, weights, workspace, capacity, resident, seconds, self.prefetch,
                                  bandwidth=bandwidth)
         else:

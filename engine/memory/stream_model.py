@@ -20,6 +20,10 @@ if TYPE_CHECKING:  # segment_plan.py imports this module to choose between its p
     from engine.memory.segment_plan import SegmentPlan
 
 COPY_GAP = 5e-6  # seconds between two copies on the copy engine (measured: 2 to 4 us, plus launch)
+# the ring's copies inside a captured call run at about this share of the probe's rate: 49 to 51 GB/s against
+# 55 on the H200 in every plan but one (bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log;
+# why is not known: bench/results/README.md, session 13)
+GRAPH_COPY_SHARE = 0.91
 PROBE_BYTES = 16 * 1024**2  # within 1% of a 256 MiB copy's rate on the H200 (bench/copy_rate.py)
 _BANDWIDTH: dict[int, float] = {}  # CUDA device index -> pinned host-to-device bytes per second
 
