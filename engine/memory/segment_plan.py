@@ -14,11 +14,11 @@ ring, cut into halves: stages larger than half of it stream alone, the others st
 = capacity - workspace - ring, so the bytes streamed per call are the weights - that: the ring's bytes
 stream on top of what cannot stay resident. Once stage times and the copy bandwidth are known, smaller
 rings are offered beside that default (a sixteenth of the room; two of a smaller stage, the larger stages
-kept resident) and stream_model.py's model of the two streams picks the fastest: on the H200 a 126 MiB ring
-was a sixth of SD1.5's streamed bytes at 1103 MiB. Which stages stream is chosen
-so that streamed bytes are spread over the call in proportion to the stages' compute time (measured on
-the first call of an input shape; uniform before): the copy engine then runs beside compute from the
-first stage to the last instead of stalling compute where streamed stages cluster.
+kept resident) and stream_model.py's model of the two streams picks the fastest (of near ties, the one that
+streams the fewest bytes): on the H200 a 126 MiB ring was a sixth of SD1.5's streamed bytes at 1103 MiB.
+Which stages stream is chosen so that streamed bytes are spread over the call in proportion to the stages'
+compute time (measured on the first call of an input shape; uniform before): the copy engine then runs
+beside compute from the first stage to the last instead of stalling compute where streamed stages cluster.
 
 Consecutive stages of one role form a segment; streamed runs are cut into chunks of at most a third of the
 ring (at least the largest stage), so that the copies of the following chunks fit beside the one computing,
@@ -47,6 +47,8 @@ RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms
 STREAMED_TIME_SHARE = 200  # a streamed segment computes for at most this fraction of a call (when known)
 RING_SHARE = 8  # the ring takes up to this fraction of the room (at least two of the largest stages)
 RING_CHUNKS = 3  # a streamed segment holds at most this fraction of the ring (at least the largest stage)
+TIE = 1.005  # plans modelled within this factor of the fastest tie: the one streaming the fewest bytes wins
+# (where compute hides every copy the model cannot tell rings apart, and each streamed byte still costs)
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,9 @@ def plan_segments(
                                  resident_bytes, brought))
     if len(plans) == 1:
         return plans[0]
-    return min(plans, key=lambda plan: stream_model.step_seconds(plan, times, bandwidth))
+    modelled = [stream_model.step_seconds(plan, times, bandwidth) for plan in plans]
+    near = [plan for plan, seconds in zip(plans, modelled, strict=True) if seconds <= min(modelled) * TIE]
+    return min(near, key=lambda plan: sum(s.ring_bytes for s in plan.segments if s.streamed))
 
 
 def _ring_choices(

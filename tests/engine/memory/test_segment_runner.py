@@ -381,9 +381,42 @@ def test_with_a_copy_rate_a_large_stage_stays_resident_so_the_ring_can_shrink():
     assert streamed == [9 * BLOCK_BYTES, 3 * BLOCK_BYTES]
 
 
+def test_where_compute_hides_every_copy_the_plan_streaming_the_fewest_bytes_wins():
+    # the toy above with copies a thousand times faster: every ring is modelled at the compute time, and the
+    # default ring would stream 9 blocks where keeping the large stage resident streams 3
+    stages, weights = toy_stages(8)
+    weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
+    budget = 21 * BLOCK_BYTES // 2 + WORKSPACE
+    chosen = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=[1e-3] * 8,
+                           bandwidth=1000 * BLOCK_BYTES / 1e-3)
+    check_plan(chosen, budget)
+    assert sum(s.ring_bytes for s in chosen.segments if s.streamed) == 3 * BLOCK_BYTES
+
+
 def test_without_stage_times_a_copy_rate_changes_nothing():
     stages, weights = toy_stages(8)
     weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
     budget = 21 * BLOCK_BYTES // 2 + WORKSPACE
     assert plan_segments(stages, weights, WORKSPACE, budget, bandwidth=1e9) == plan_segments(
         stages, weights, WORKSPACE, budget)
+
+
+@pytest.mark.parametrize(("graphs", "planned"), [(True, 91.0), (False, 100.0)])
+def test_the_plan_assumes_the_slower_copies_of_a_captured_call(graphs, planned, monkeypatch):
+    from engine.memory import segments, stream_model
+
+    seen = []
+
+    def recording(*args, bandwidth=None, **kwargs):
+        seen.append(bandwidth)
+        return plan_segments(*args, bandwidth=bandwidth, **kwargs)
+
+    monkeypatch.setattr(stream_model, "copy_bandwidth", lambda device: 100.0)
+    monkeypatch.setattr(stream_model, "GRAPH_COPY_SHARE", 0.91)
+    monkeypatch.setattr(segments, "plan_segments", recording)
+    _, weights = reference_weights(WIDTH, DEPTH)
+    model, store, ledger, _, _ = build("cpu", TIGHT, None, weights)
+    runner = SegmentRunner(store, ledger, "cpu", graphs=graphs)
+    for _ in range(2):  # the first call measures the stage times, the second plans with them
+        runner.run(model.stages(), {"x": torch.randn(4, WIDTH)})
+    assert seen[0] is None and seen[-1] == pytest.approx(planned)
