@@ -28,7 +28,9 @@ blocks of a UNet) would have its bytes arrive long before most of its stages nee
 space that later copies wait for. Session 11's study of the H200's measured stage times (bench/plan_study.py,
 then fitting about 20 us of overhead per copy and 40 us per streamed segment to the measured steps) put the
 cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a few % slower at SDXL's smallest
-budget, where there are the most segments.
+budget, where there are the most segments. But each streamed segment also costs the compute stream about
+stream_model.SEGMENT_GAP inside a graph, so once the copy rate is known, plans cut at 1/50, 1/25 or not at
+all by compute time are modelled too: where compute hides the copies (SD1.5 at 1418 MiB), fewer segments win.
 Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
 copy may start only after their compute has finished.
 """
@@ -45,6 +47,7 @@ from engine.models.staged import Stage
 
 RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms of copies at 55 GB/s
 STREAMED_TIME_SHARE = 200  # a streamed segment computes for at most this fraction of a call (when known)
+OTHER_TIME_SHARES = (50, 25, 0)  # offered beside it when the model chooses (0: no cut by compute time)
 RING_SHARE = 8  # the ring takes up to this fraction of the room (at least two of the largest stages)
 RING_CHUNKS = 3  # a streamed segment holds at most this fraction of the ring (at least the largest stage)
 TIE = 1.005  # plans modelled within this factor of the fastest tie: the one streaming the fewest bytes wins
@@ -94,7 +97,8 @@ def plan_segments(
     when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute.
     `ring_target` defaults to RING_TARGET. With `bandwidth` (bytes per second of the copies) and stage
     times, the plan is the fastest by stream_model.py of the default ring and smaller rings that keep the
-    largest stages resident (see `_ring_choices`). A stage that cannot fit alone raises BudgetExceeded.
+    largest stages resident (see `_ring_choices`), each cut by compute time at STREAMED_TIME_SHARE and at
+    OTHER_TIME_SHARES. A stage that cannot fit alone raises BudgetExceeded.
     """
     ring_target = RING_TARGET if ring_target is None else ring_target
     if len(stage_weight_bytes) != len(stages):
@@ -119,25 +123,30 @@ def plan_segments(
             )
     known = stage_seconds is not None and len(stage_seconds) == len(stages) and sum(stage_seconds) > 0
     times = list(stage_seconds) if known else [0.0] * len(stages)
-    time_cap = sum(times) / STREAMED_TIME_SHARE if known and STREAMED_TIME_SHARE else 0.0
     choices = _ring_choices(ring_sizes, room, ring_target, overlap)
-    if not (known and bandwidth):
+    shares = [STREAMED_TIME_SHARE]
+    if known and bandwidth:
+        shares += [share for share in OTHER_TIME_SHARES if share != STREAMED_TIME_SHARE]
+    else:
         choices = choices[:1]
     plans = []
     for ring, chunk, largest_streamed in choices:
         forced = [size > largest_streamed for size in ring_sizes]
         streamed = _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk, forced)
-        segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk,
-                             workspace_estimate, times, time_cap)
-        segments = _place_in_ring(segments, ring)
-        resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
-        plans.append(SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring,
-                                 resident_bytes, brought))
+        for share in shares:
+            time_cap = sum(times) / share if known and share else 0.0
+            segments = _segments(stages, needs, stage_weight_bytes, ring_sizes, streamed, chunk,
+                                 workspace_estimate, times, time_cap)
+            segments = _place_in_ring(segments, ring)
+            resident_bytes = sum(s.cost_bytes - workspace_estimate for s in segments if not s.streamed)
+            plans.append(SegmentPlan(tuple(segments), workspace_estimate, budget_available, False, ring,
+                                     resident_bytes, brought))
     if len(plans) == 1:
         return plans[0]
     modelled = [stream_model.step_seconds(plan, times, bandwidth) for plan in plans]
     near = [plan for plan, seconds in zip(plans, modelled, strict=True) if seconds <= min(modelled) * TIE]
-    return min(near, key=lambda plan: sum(s.ring_bytes for s in plan.segments if s.streamed))
+    return min(near, key=lambda plan: (sum(s.ring_bytes for s in plan.segments if s.streamed),
+                                       len(plan.segments)))
 
 
 def _ring_choices(

@@ -3,10 +3,12 @@
 The runner (segments.py) queues each streamed segment's copy as soon as the segments whose ring bytes it
 overwrites (`Segment.waits`) have been queued for compute; the copy engine runs copies in order, each after
 its bytes arrive at `bandwidth` plus COPY_GAP and after the compute of the segments it waits for; a segment
-computes after the one before it and, when streamed, after its copy. The call takes until both streams are
-done. With the stage times of the H200's graph-replayed steps and the copy rate seen inside those graphs (50
-GB/s), this predicts measured SD1.5 and SDXL budgeted steps within 4% (bench/results/: the default-ring
-columns of plan_study_20261130_s12_ring_choices.log against replay_trace_cuda_20261130_s12_b_*.log).
+computes after the one before it and, when streamed, after its copy and SEGMENT_GAP. The call takes until
+both streams are done. With the stage times of the H200's graph-replayed steps and the copy rate seen inside
+those graphs (50 GB/s), this predicted measured SD1.5 and SDXL budgeted steps within 4% before SEGMENT_GAP
+(bench/results/: the default-ring columns of plan_study_20261130_s12_ring_choices.log against
+replay_trace_cuda_20261130_s12_b_*.log), and missed the compute-bound ones (SD1.5 at 1418 MiB: 12.3 ms
+modelled, 13.7 measured; 13.4 with the gap).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ if TYPE_CHECKING:  # segment_plan.py imports this module to choose between its p
     from engine.memory.segment_plan import SegmentPlan
 
 COPY_GAP = 5e-6  # seconds between two copies on the copy engine (measured: 2 to 4 us, plus launch)
+# seconds a streamed segment costs the compute stream in a graph replay (its wait for the copy's event, even
+# when the copy is done): SD1.5 at 1418 MiB on the H200 idled compute 1.1 ms beyond its first wait over 79
+# streamed segments (bench/results/replay_trace_cuda_20261130_s13_compute_bound.log)
+SEGMENT_GAP = 14e-6
 # the ring's copies inside a captured call run at about this share of the probe's rate: 49 to 51 GB/s against
 # 55 on the H200 in every plan but one (bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log;
 # why is not known: bench/results/README.md, session 13)
@@ -43,7 +49,7 @@ def step_seconds(plan: SegmentPlan, stage_seconds: Sequence[float], bandwidth: f
             start = max([copy_free] + [done[w] for w in copy.waits])
             copy_free = copied[copy.index] = start + copy.ring_bytes / bandwidth + COPY_GAP
             queued += 1
-        start = max(compute, copied[segment.index]) if segment.streamed else compute
+        start = max(compute, copied[segment.index]) + SEGMENT_GAP if segment.streamed else compute
         compute = done[segment.index] = start + sum(stage_seconds[segment.start : segment.stop])
     return max(compute, copy_free)
 

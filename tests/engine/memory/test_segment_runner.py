@@ -393,6 +393,24 @@ def test_where_compute_hides_every_copy_the_plan_streaming_the_fewest_bytes_wins
     assert sum(s.ring_bytes for s in chosen.segments if s.streamed) == 3 * BLOCK_BYTES
 
 
+def test_where_compute_hides_the_copies_streamed_runs_are_not_cut_by_compute_time():
+    # a first stage of 8 blocks, then 7 of one: the room of 10 blocks is all ring, so every stage streams, the
+    # small ones in chunks of up to 5 blocks. Each stage computes 1/8 of the call, more than
+    # 1/STREAMED_TIME_SHARE: by default every small stage is a segment of its own. Each streamed segment costs
+    # the compute stream SEGMENT_GAP, so with copies that compute hides, the chosen plan has fewer
+    stages, weights = toy_stages(8)
+    weights[0] = {"m/blocks.0.weight": 8 * BLOCK_BYTES - WIDTH * 4, "m/blocks.0.bias": WIDTH * 4}
+    budget = 10 * BLOCK_BYTES + WORKSPACE
+    seconds = [1e-3] * 8
+    default = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds)
+    chosen = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds,
+                           bandwidth=1000 * BLOCK_BYTES / 1e-3)
+    check_plan(chosen, budget)
+    streamed = [[s for s in plan.segments if s.streamed] for plan in (default, chosen)]
+    assert all(s.stop - s.start == 1 for s in streamed[0])
+    assert len(streamed[1]) < len(streamed[0])
+
+
 def test_without_stage_times_a_copy_rate_changes_nothing():
     stages, weights = toy_stages(8)
     weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}

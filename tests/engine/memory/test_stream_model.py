@@ -3,7 +3,7 @@
 import pytest
 
 from engine.memory.segment_plan import Segment, SegmentPlan
-from engine.memory.stream_model import COPY_GAP, floor_seconds, step_seconds
+from engine.memory.stream_model import COPY_GAP, SEGMENT_GAP, floor_seconds, step_seconds
 
 
 def three_segments(waits):
@@ -17,16 +17,18 @@ def three_segments(waits):
 
 
 def test_copies_queue_back_to_back_and_compute_waits_for_its_bytes():
-    # copy a: 0 -> 1 + g; copy c right after: -> 3 + 2g; compute a 1+g -> 1.5+g, b -> 1.75+g,
-    # c waits for its bytes: 3+2g -> 4+2g
+    # g: COPY_GAP, s: SEGMENT_GAP. copy a: 0 -> 1 + g; copy c right after: -> 3 + 2g; compute a 1+g+s ->
+    # 1.5+g+s, b -> 1.75+g+s, c waits for its bytes: 3+2g+s -> 4+2g+s
     plan = three_segments(())
-    assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0) == pytest.approx(4 + 2 * COPY_GAP)
+    expected = 4 + 2 * COPY_GAP + SEGMENT_GAP
+    assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0) == pytest.approx(expected)
 
 
 def test_a_copy_waits_for_the_compute_of_the_segment_it_overwrites():
-    # copy c starts once segment a computed (1.5 + g) -> 3.5 + 2g; compute c -> 4.5 + 2g
+    # copy c starts once segment a computed (1.5 + g + s) -> 3.5 + 2g + s; compute c -> 4.5 + 2g + 2s
     plan = three_segments((0,))
-    assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0) == pytest.approx(4.5 + 2 * COPY_GAP)
+    assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0) == pytest.approx(
+        4.5 + 2 * COPY_GAP + 2 * SEGMENT_GAP)
 
 
 def test_a_whole_plan_takes_its_compute_time():
