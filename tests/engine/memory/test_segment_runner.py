@@ -409,6 +409,10 @@ def test_where_compute_hides_the_copies_streamed_runs_are_not_cut_by_compute_tim
     streamed = [[s for s in plan.segments if s.streamed] for plan in (default, chosen)]
     assert all(s.stop - s.start == 1 for s in streamed[0])
     assert len(streamed[1]) < len(streamed[0])
+    # where the copies take longer than the compute, the cut by compute time stays
+    bound = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds,
+                          bandwidth=BLOCK_BYTES / 1e-3)
+    assert [(s.start, s.stop) for s in bound.segments] == [(s.start, s.stop) for s in default.segments]
 
 
 def test_without_stage_times_a_copy_rate_changes_nothing():
