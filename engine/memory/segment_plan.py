@@ -135,7 +135,7 @@ def plan_segments(
         forced = [size > largest_streamed for size in ring_sizes]
         roles.append((ring, chunk, _streamed_stages(ring_sizes, room - ring, stage_seconds, chunk, forced)))
 
-    def cut(share: int) -> list[SegmentPlan]:
+    def cut(share: int) -> list[SegmentPlan]:  # a plan per ring choice, streamed runs cut at 1/share
         time_cap = sum(times) / share if known and share else 0.0
         plans = []
         for ring, chunk, streamed in roles:
@@ -151,15 +151,18 @@ def plan_segments(
     if not (known and bandwidth):
         return plans[0]
     modelled = [stream_model.step_seconds(plan, times, bandwidth) for plan in plans]
-    least_copied = min(sum(s.ring_bytes for s in plan.segments if s.streamed) for plan in plans)
+    least_copied = min(_streamed_bytes(plan) for plan in plans)
     if least_copied / bandwidth <= sum(times) * HIDDEN:  # compute hides the copies: segments' cost matters
         for share in OTHER_TIME_SHARES:
             more = cut(share)
             plans += more
             modelled += [stream_model.step_seconds(plan, times, bandwidth) for plan in more]
     near = [plan for plan, seconds in zip(plans, modelled, strict=True) if seconds <= min(modelled) * TIE]
-    return min(near, key=lambda plan: (sum(s.ring_bytes for s in plan.segments if s.streamed),
-                                       len(plan.segments)))
+    return min(near, key=lambda plan: (_streamed_bytes(plan), len(plan.segments)))
+
+
+def _streamed_bytes(plan: SegmentPlan) -> int:
+    return sum(s.ring_bytes for s in plan.segments if s.streamed)
 
 
 def _ring_choices(
