@@ -16,7 +16,7 @@ skip connections, and each stage's temporaries) is measured on the first call of
 on CUDA is planned as if the workspace took half of what the module can use: on CUDA
 the peak of `torch.cuda.max_memory_allocated` over every stage, less the weights the ledger tracks, less
 what was allocated before the call; on other devices (no allocator report) twice the largest tensor seen in
-the stage states. The same call times each stage (GPU time on CUDA, see `_Measurement`, or the wall clock
+the stage states. The same call times each stage (GPU time on CUDA, see stage_timing.py, or the wall clock
 on a CPU), and the plan is remade with those times so streamed bytes follow compute. On CUDA the second
 call of a shape times the stages again and keeps each stage's lesser time: the first call's also hold
 one-time work (kernel loading, cuDNN autotuning, the attention backend probe), up to hundreds of
@@ -36,8 +36,7 @@ failed capture turns graphs off for the runner with a warning.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,31 +47,23 @@ from engine.devices import device_name
 from engine.memory import stream_model
 from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
+from engine.memory.stage_timing import (
+    TIMED_CALLS,
+    StageProfile,
+    StageTiming,
+    largest_tensor_bytes,
+    tensors_of,
+)
 from engine.memory.stream_ring import StreamRing
 from engine.memory.weight_store import WeightStore, aligned
 from engine.models.staged import Stage, State
 
-__all__ = ["Segment", "SegmentPlan", "SegmentRunner", "plan_segments"]
+__all__ = ["Segment", "SegmentPlan", "SegmentRunner", "StageProfile", "plan_segments"]
 
 WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per module
 RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
 GRAPH_KEY = "cuda_graph"  # the memory pool of a captured call, tracked as a workspace while it exists
 log = logging.getLogger("sluice.memory")
-WORKSPACE_SLACK = 4 * 1024**2  # added to a measured CUDA workspace: the caching allocator rounds blocks up
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def _largest_tensor_bytes(state: State) -> int:
-    return max((t.numel() * t.element_size() for t in _tensors(state)), default=0)
 
 
 def _clone_state(value: Any) -> Any:
@@ -86,19 +77,10 @@ def _clone_state(value: Any) -> Any:
     return value
 
 
-@dataclass(frozen=True)
-class StageProfile:
-    """What the measuring calls of an input shape saw, per stage: seconds (GPU time on CUDA; the least of
-    the calls) and workspace bytes at the stage's peak (the last call's)."""
-
-    seconds: list[float]
-    workspace: list[int]
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: list[torch.Tensor]  # the captured call's input tensors, in `_tensors` order
+    inputs: list[torch.Tensor]  # the captured call's input tensors, in `tensors_of` order
     output: State  # the captured call's output state (the graph's tensors)
     key: tuple
     copies: list[tuple[int, int]]  # (streamed segment index, bytes) the graph copies on each replay
@@ -109,104 +91,12 @@ def _shape_signature(state: State) -> tuple:
     and the plain values (a text encoder's clip skip, flags) that choose the computation."""
 
     def describe(value: Any) -> tuple:
-        tensors = _tensors(value)
+        tensors = tensors_of(value)
         if tensors:
             return tuple((tuple(t.shape), str(t.dtype), str(t.device)) for t in tensors)
         return (repr(value),) if value is None or isinstance(value, bool | int | float | str) else ()
 
     return tuple((key, describe(value)) for key, value in state.items())
-
-
-_CYCLES_PER_SECOND: dict[int, float] = {}  # CUDA device index -> clock rate seen by torch.cuda._sleep
-MIN_HOLD, MAX_HOLD = 0.5e-3, 10e-3  # seconds the GPU is held before each measured stage
-TIMED_CALLS = 2  # CUDA calls of a shape that time its stages: the first also loads kernels, autotunes
-# seconds a timed CUDA stage takes beyond its time in a graph replay (events, the hold's hand-over): the
-# H200's stage times summed to 13.9 and 46.7 ms for SD1.5's 149 and SDXL's 343 stages against replayed steps
-# of 12.3 and 43.2 ms, 10.7 and 10.2 us a stage (bench/results/stage_profile_cuda_20261130_044004.log)
-TIMING_OVERHEAD = 10e-6
-
-
-def _cycles_per_second(device: torch.device) -> float:
-    """The rate of `torch.cuda._sleep`'s spin loop on `device`, measured once (0 where torch lacks it: the
-    stages are then timed without a hold, launch-bound as they run)."""
-    if not hasattr(torch.cuda, "_sleep"):
-        return 0.0
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CYCLES_PER_SECOND:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles = 20_000_000
-        torch.cuda._sleep(cycles // 10)  # warm-up: the first launch loads the kernel
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_SECOND[index] = cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
-    return _CYCLES_PER_SECOND[index]
-
-
-class _Measurement:
-    """Per-stage times and workspace peaks of one call (the first of an input shape, on CUDA the first two).
-
-    On CUDA each stage's time is its GPU time, not the host's: before a stage the GPU spins in a sleep
-    kernel for three times as long as the host took to queue the previous stage (within MIN_HOLD and
-    MAX_HOLD), so the stage's kernels are all queued when its start event fires and run back to back. A
-    host time longer than the hold may include waiting for the GPU (a synchronising copy): it counts as the
-    hold, so holds grow threefold per stage at most and never with the wait. Without the hold a launch-bound
-    call (most eager calls) would time the host's launches, and streamed bytes would follow the wrong pace.
-    Each time is less TIMING_OVERHEAD (at most half of it): the stages' times then sum to a replayed call's.
-    """
-
-    def __init__(self, runner: SegmentRunner, state: State, count: int) -> None:
-        self.runner = runner
-        self.cuda = runner.device.type == "cuda"
-        self.largest = [_largest_tensor_bytes(state)]
-        self.seconds = [0.0] * count
-        self.peaks = [0] * count  # workspace bytes at each stage's peak
-        self.workspace = 0
-        self._events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
-        self._began = 0.0
-        self._hold = MIN_HOLD  # seconds the GPU spins before the next stage
-        if self.cuda:
-            self.base = torch.cuda.memory_allocated(runner.device) - self._weights_on_device()
-            self._rate = _cycles_per_second(runner.device)
-
-    def _weights_on_device(self) -> int:
-        return self.runner.ledger.tracked(kind="weights") + self.runner.ring_bytes()
-
-    def before(self, index: int) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.runner.device)
-            if self._rate:
-                torch.cuda._sleep(int(self._hold * self._rate))
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events.append((index, start, end))
-        self._began = time.perf_counter()
-
-    def after(self, index: int, state: State) -> None:
-        host = time.perf_counter() - self._began
-        if self.cuda:
-            self._hold = min(MAX_HOLD, max(MIN_HOLD, 3 * min(host, self._hold)))
-            self._events[-1][2].record()
-            peak = torch.cuda.max_memory_allocated(self.runner.device) - self._weights_on_device()
-            self.peaks[index] = max(self.peaks[index], peak - self.base)
-            self.workspace = max(self.workspace, peak - self.base)
-        else:
-            self.seconds[index] = host
-            self.largest.append(_largest_tensor_bytes(state))
-            self.peaks[index] = 2 * max(self.largest[-2:])
-
-    def finish(self) -> tuple[int, list[float]]:
-        """(workspace bytes, seconds per stage)."""
-        if not self.cuda:
-            return 2 * max(self.largest), self.seconds
-        if self._events:
-            self._events[-1][2].synchronize()
-        for index, start, end in self._events:
-            elapsed = start.elapsed_time(end) / 1e3
-            self.seconds[index] += max(elapsed - TIMING_OVERHEAD, elapsed / 2)
-        workspace = max(self.workspace, 0)
-        return workspace + min(WORKSPACE_SLACK, workspace // 16), self.seconds
 
 
 class SegmentRunner:
@@ -270,6 +160,9 @@ class SegmentRunner:
     def ring_bytes(self) -> int:
         return 0 if self._ring is None else self._ring.nbytes
 
+    def _weights_on_device(self) -> int:
+        return self.ledger.tracked(kind="weights") + self.ring_bytes()
+
     def _resident_keys(self, plan: SegmentPlan) -> frozenset[str]:
         if self._resident is None or self._resident[0] != id(plan):
             keys = frozenset(k for s in plan.segments if not s.streamed for k in s.keys)
@@ -287,7 +180,7 @@ class SegmentRunner:
         signature = _shape_signature(state)
         first = signature not in self._workspace
         measuring = self._timed.get(signature, 0) < (TIMED_CALLS if self.device.type == "cuda" else 1)
-        workspace = self._workspace.get(signature, 2 * _largest_tensor_bytes(state))
+        workspace = self._workspace.get(signature, 2 * largest_tensor_bytes(state))
         if first and self.device.type == "cuda":
             # the call that measures the workspace assumes it may take half of what the module can use,
             # so that a first call whose activations are far larger than its inputs (a UNet's skips and
@@ -318,7 +211,8 @@ class SegmentRunner:
     def _run_eager(
         self, plan: SegmentPlan, stages: Sequence[Stage], state: State, signature: tuple, measuring: bool
     ) -> State:
-        measurement = _Measurement(self, state, len(stages)) if measuring else None
+        measurement = (StageTiming(self.device, self._weights_on_device, state, len(stages)) if measuring
+                       else None)
         try:
             self._allocate(self.module, WORKSPACE_KEY, plan.workspace_bytes)
             if plan.whole:
@@ -342,7 +236,7 @@ class SegmentRunner:
     def _capture(self, plan: SegmentPlan, stages: Sequence[Stage], state: State, key: tuple) -> State:
         """Capture one call as a CUDA graph, replay it once for this call's result, and keep it."""
         inputs = _clone_state(state)
-        static = _tensors(inputs)  # before the capture: the stages change the state's structure
+        static = tensors_of(inputs)  # before the capture: the stages change the state's structure
         copies: list[tuple[int, int]] = []
 
         def record(event: telemetry.Event) -> None:
@@ -376,7 +270,7 @@ class SegmentRunner:
     def _replay(self, graph: _Graph, plan: SegmentPlan, state: State) -> State:
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)  # active again while it runs
         try:
-            for target, value in zip(graph.inputs, _tensors(state), strict=True):
+            for target, value in zip(graph.inputs, tensors_of(state), strict=True):
                 target.copy_(value)
             graph.graph.replay()
             self._publish_replay(graph, plan)
@@ -439,7 +333,7 @@ class SegmentRunner:
     # ------------------------------------------------------------------------------------------ running
 
     def _run_whole(
-        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: _Measurement | None
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: StageTiming | None
     ) -> State:
         segment = plan.segments[0]
         self._drop_ring()
@@ -452,7 +346,7 @@ class SegmentRunner:
         return state
 
     def _run_segments(
-        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: _Measurement | None
+        self, plan: SegmentPlan, stages: Sequence[Stage], state: State, measurement: StageTiming | None
     ) -> State:
         ring = self._ring_for(plan)
         resident = self._resident_keys(plan)
@@ -496,7 +390,7 @@ class SegmentRunner:
         self._pinned = list(keys)
 
     def _run_stages(
-        self, stages: Sequence[Stage], start: int, stop: int, state: State, measurement: _Measurement | None
+        self, stages: Sequence[Stage], start: int, stop: int, state: State, measurement: StageTiming | None
     ) -> State:
         if measurement is None:
             for stage in stages[start:stop]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine.memory import segments
+from engine.memory import stage_timing
 from engine.memory.ledger import DeviceLedger
 from engine.memory.segments import SegmentRunner
 from engine.memory.weight_store import WeightStore
@@ -38,14 +38,14 @@ class TiedToy(nn.Module):
 
 @pytest.mark.parametrize("trial", range(16))
 def test_calls_stay_exact_and_within_budget_as_budgets_change(trial, monkeypatch):
-    measured = segments._Measurement.finish
+    measured = stage_timing.StageTiming.finish
 
     def random_times(self):
         workspace, seconds = measured(self)
         draw = random.Random(trial * 1000 + len(seconds))
         return workspace, [draw.random() for _ in seconds]
 
-    monkeypatch.setattr(segments._Measurement, "finish", random_times)
+    monkeypatch.setattr(stage_timing.StageTiming, "finish", random_times)
     torch.manual_seed(0)
     reference = TiedToy("cpu")
     checkpoint = {k: v.detach().clone() for k, v in reference.state_dict().items()}
