@@ -37,8 +37,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.devices import GIB, device_name  # noqa: E402
+from engine.memory import stream_model  # noqa: E402
 from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
 from engine.memory.runtime import MemoryRuntime  # noqa: E402
+from engine.memory.segment_plan import SegmentPlan  # noqa: E402
 from engine.memory.segments import StageProfile  # noqa: E402
 from engine.memory.stream_model import floor_seconds  # noqa: E402
 from engine.models.detect import UNetConfig  # noqa: E402
@@ -190,21 +192,32 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
         plan = runtime.snapshot()["modules"][name]["plan"]
         segments = len(plan["segments"])
         streamed = [s for s in plan["segments"] if s["streamed"]]
+        profile = runtime.stage_profile(name)
         print(f"  plan: workspace {plan['workspace_bytes'] / MIB:.1f} MiB, "
               f"ring {plan['ring_bytes'] / MIB:.1f} MiB, "
               f"{len(streamed)} of {segments} segments streamed "
-              f"({sum(s['weight_bytes'] for s in streamed) / MIB:.1f} MiB)", flush=True)
+              f"({sum(s['weight_bytes'] for s in streamed) / MIB:.1f} MiB)"
+              + modelled(runtime.segment_plan(name), profile, device), flush=True)
         if device.type != "cuda":
             peak = ledger.peak_tracked / GIB
         else:
             peak, reserved = peak - before / GIB, reserved - before / GIB
-        profile = runtime.stage_profile(name)
         return ms, peak, reserved, copied[0] / GIB, segments, plan["workspace_bytes"], profile
     finally:
         runtime.unregister(name)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def modelled(plan: SegmentPlan | None, profile: StageProfile | None, device: torch.device) -> str:
+    """", modelled X ms": the step the planner's model predicted from its own inputs (the measured stage
+    times, the in-graph copy rate), to set beside the measured one; "" off CUDA or without a profile."""
+    bandwidth = stream_model.copy_bandwidth(device)
+    if plan is None or profile is None or not bandwidth or GRAPHS[0] == "off":
+        return ""
+    seconds = stream_model.step_seconds(plan, profile.seconds, bandwidth * stream_model.GRAPH_COPY_SHARE)
+    return f", modelled {seconds * 1e3:.1f} ms"
 
 
 def release_garbage(device: torch.device) -> int:

@@ -52,7 +52,7 @@ from engine.memory.layer_split import (
 )
 from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, live_free_memory, resolve_budget
 from engine.memory.row_split import block_linears, shard_transformer_linears
-from engine.memory.segments import SegmentRunner, StageProfile
+from engine.memory.segments import SegmentPlan, SegmentRunner, StageProfile
 from engine.memory.weight_store import HOMES, Source, WeightStore
 from engine.models.staged import Stage, State
 from engine.placement import (
@@ -426,6 +426,10 @@ class MemoryRuntime:
         """Per-stage times and workspace peaks of module `name`'s last measured input shape (its main
         device's part)."""
         return self._module(name).runner.profile
+
+    def segment_plan(self, name: str) -> SegmentPlan | None:
+        """The plan module `name`'s last call ran with (its main device's part)."""
+        return self._module(name).runner.plan
 
     def _module(self, name: str) -> _Module:
         with self._lock:
