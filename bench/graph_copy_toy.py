@@ -9,7 +9,9 @@ The toy: --segments segments, each a group of compute kernels taking about --com
 segment k - slots, whose slot it overwrites ("copy waits"); segment k's compute waits for copy k ("compute
 waits"); copies are queued as far ahead as the ring allows, as the runner queues them. Variants: eager or one
 captured graph; both waits, one of them, or none (the copy stream is joined at the end either way); the
-compute a spin kernel (no memory traffic), fp16 matmuls or a memory-bound add. With compute shorter than a
+compute a spin kernel (no memory traffic), fp16 matmuls, a memory-bound add, or one of the UNet's kernels at
+SD1.5's full resolution (cuDNN convolution, SDPA attention, group norm): on the H200 the UNet's own graph
+copies at 50 GB/s where spin, matmul and add leave the toy's at 53 to 55. With compute shorter than a
 copy the call is copy-bound, so the copies' rate is about segments x copy bytes / call time. Prints one row
 per variant: ms per call (median of --calls), GB/s of the copies over the call, and the call time of the
 copies alone and of the compute alone.
@@ -22,6 +24,7 @@ import statistics
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 MIB = 1024**2
 
@@ -58,8 +61,19 @@ def compute_kernels(kind: str, micros: float, device: torch.device) -> Callable[
     elif kind == "add":
         x = torch.zeros(64 * MIB, dtype=torch.float16, device=device)  # 128 MiB read and written
         one = lambda: x.add_(1.0)  # noqa: E731
+    elif kind == "conv":  # SD1.5's full-resolution 3x3 convolution (cuDNN)
+        x = torch.randn(2, 320, 64, 64, dtype=torch.float16, device=device)
+        w = torch.randn(320, 320, 3, 3, dtype=torch.float16, device=device)
+        one = lambda: F.conv2d(x, w, padding=1)  # noqa: E731
+    elif kind == "attention":  # SD1.5's full-resolution self-attention: (batch, heads, tokens, head dim)
+        q = torch.randn(2, 8, 4096, 40, dtype=torch.float16, device=device)
+        one = lambda: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    elif kind == "groupnorm":
+        x = torch.randn(2, 320, 64, 64, dtype=torch.float16, device=device)
+        one = lambda: F.group_norm(x, 32)  # noqa: E731
     else:
-        raise ValueError(f"unknown compute kind {kind!r}; accepted: none, spin, matmul, add")
+        raise ValueError(f"unknown compute kind {kind!r}; accepted: none, spin, matmul, add, conv, "
+                         "attention, groupnorm")
     repeats = max(1, round(micros / 1e3 / timed(device, one, 5)))  # ms wanted / ms of one
 
     def group() -> None:
