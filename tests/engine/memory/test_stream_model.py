@@ -64,3 +64,35 @@ def test_a_workspace_peak_just_before_the_heavy_stage_leaves_less_room_to_prefet
 def test_the_floor_names_mismatched_stage_lists():
     with pytest.raises(ValueError, match="2 stage times but 3 byte counts and 2 workspace peaks"):
         floor_seconds([1.0, 1.0], [1, 2, 3], [0, 0], budget=10, bandwidth=1.0)
+
+
+def test_no_plan_the_planner_makes_is_modelled_below_the_floor():
+    # the floor bounds every plan; the planner's plans, modelled with the same copy rate, must not beat it
+    import random
+    from types import SimpleNamespace
+
+    from engine.memory.ledger import BudgetExceeded
+    from engine.memory.segment_plan import plan_segments
+
+    draw = random.Random(7)
+    checked = 0
+    for case in range(300):
+        count = draw.randint(3, 12)
+        sizes = [draw.choice([0, 256, 1024, 4096, 16384]) for _ in range(count)]
+        seconds = [draw.uniform(1e-4, 1e-3) for _ in range(count)]
+        workspace = draw.choice([0, 512, 2048])
+        if sum(sizes) <= 2 * max(sizes):
+            continue
+        budget = workspace + draw.randint(max(sizes) * 2, sum(sizes))  # some weights must stream
+        bandwidth = draw.choice([1e6, 1e7, 1e8])
+        stages = [SimpleNamespace(name=f"s{i}") for i in range(count)]
+        weights = [{f"w{i}": size} if size else {} for i, size in enumerate(sizes)]
+        try:
+            plan = plan_segments(stages, weights, workspace, budget, stage_seconds=seconds,
+                                 bandwidth=bandwidth)
+        except BudgetExceeded:
+            continue
+        floor = floor_seconds(seconds, sizes, [workspace] * count, budget, bandwidth)
+        assert step_seconds(plan, seconds, bandwidth) >= floor * (1 - 1e-9), case
+        checked += 1
+    assert checked > 150
