@@ -174,7 +174,10 @@ def _ring_choices(
     `ring_target`). The ring's bytes are streamed on top of what cannot stay resident, so with prefetch
     smaller rings are offered too: up to 1/(2 RING_SHARE) of the room, and two of a smaller stage with the
     stages above it kept resident (SD1.5's two 59 MiB convolutions set a 119 MiB ring where two of the
-    next largest stages need 63), while those stages take at most half of the resident room.
+    next largest stages need 63), while those stages take at most half of the resident room, or when they fit
+    and at most half of the other stages' bytes must stream: where nearly everything fits, a ring of two
+    small stages streams a few MiB where one of two large ones streamed them on every call (SD1.5 at 1730
+    MiB: 10 MiB instead of 105). The smaller stages offered are the four largest and a ladder below them.
     """
     largest = max(sizes)
     if not overlap:
@@ -182,13 +185,21 @@ def _ring_choices(
         return [(ring, ring, largest)]
     if room < 2 * largest:  # too little room to double-buffer the largest stage: the smaller ones still can
         return [(room, room // 2, largest)]
+    descending = sorted({size for size in sizes if size}, reverse=True)
+    bounds = descending[:4]
+    for size in descending[4:]:  # and a ladder of smaller stages, each at most half the one before
+        if size <= bounds[-1] // 2:
+            bounds.append(size)
+    total = sum(sizes)
     choices: dict[tuple[int, int], int] = {}  # (ring, largest streamed stage) -> chunk, in order
     for share in (RING_SHARE, 2 * RING_SHARE):
-        for bound in sorted(set(sizes), reverse=True)[:4]:
-            ring = min(room, max(2 * bound, min(ring_target, room // share)))
-            kept = sum(size for size in sizes if size > bound)
-            if kept <= (room - ring) // 2:
-                choices.setdefault((ring, bound), max(bound, ring // RING_CHUNKS))
+        for bound in bounds:
+            shared = min(room, max(2 * bound, min(ring_target, room // share)))
+            for ring in dict.fromkeys((shared, 2 * bound)):  # the share's ring, and the least for `bound`
+                kept = sum(size for size in sizes if size > bound)
+                must = total - (room - ring)  # bytes that stream: at most half of the stages that may
+                if kept <= (room - ring) // 2 or (kept <= room - ring and total - kept >= 2 * must):
+                    choices.setdefault((ring, bound), max(bound, ring // RING_CHUNKS))
     return [(ring, chunk, bound) for (ring, bound), chunk in choices.items()]
 
 

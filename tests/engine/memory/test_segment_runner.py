@@ -415,6 +415,24 @@ def test_where_compute_hides_the_copies_streamed_runs_are_not_cut_by_compute_tim
     assert [(s.start, s.stop) for s in bound.segments] == [(s.start, s.stop) for s in default.segments]
 
 
+def test_when_little_must_stream_only_small_stages_stream_through_a_small_ring():
+    # three stages of 8 KiB and five of 512 bytes, and room for all but 64 bytes: the default ring holds two
+    # of the large stages, whose 16 KiB then stream on every call; two of a small stage do as well, the
+    # large ones kept resident, and only about a kilobyte streams
+    stages, _ = toy_stages(8)
+    sizes = [8192, 512, 8192, 512, 8192, 512, 512, 512]
+    weights = [{f"m/blocks.{i}.weight": size} for i, size in enumerate(sizes)]
+    budget = sum(sizes) - 64 + WORKSPACE
+    seconds = [1e-3] * 8
+    default = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds)
+    chosen = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds,
+                           bandwidth=1000 * BLOCK_BYTES / 1e-3)
+    check_plan(chosen, budget)
+    streamed = [sum(s.ring_bytes for s in plan.segments if s.streamed) for plan in (default, chosen)]
+    assert streamed[0] >= 16384 and streamed[1] <= 1536
+    assert all(sizes[s.start] == 512 for s in chosen.segments if s.streamed)
+
+
 def test_without_stage_times_a_copy_rate_changes_nothing():
     stages, weights = toy_stages(8)
     weights[3] = {"m/blocks.3.weight": 4 * BLOCK_BYTES - WIDTH * 4, "m/blocks.3.bias": WIDTH * 4}
