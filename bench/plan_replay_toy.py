@@ -9,8 +9,11 @@ bench/plan_study.py uses them) makes its plan; the toy then runs it the way the 
 ring of the plan's size, each streamed segment's bytes copied from its own span of one pinned buffer on a
 side stream, after the compute of the segments it overwrites, the compute of a streamed segment after its
 copy. Each stage's compute is one spin kernel (`torch.cuda._sleep`, no memory traffic) of the stage's
-measured time. Eagerly and as one captured graph, it prints ms per call and, from the profiler's timeline of
-one call, the copies' rate while the copy engine was busy (bench/replay_trace.py's figures).
+measured time, or with --real the UNet's own stage on random weights resident on the device (the copies
+then move the plan's bytes into a ring that no stage reads): do the UNet's kernels slow the copies down
+without the weight store and the runner? Eagerly and as one captured graph, it prints ms per call and, from
+the profiler's timeline of one call, the copies' rate while the copy engine was busy (bench/replay_trace.py's
+figures).
 """
 
 from __future__ import annotations
@@ -28,11 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from memory import random_weights, unet_inputs  # noqa: E402
 from plan_study import unet_stage_weights  # noqa: E402
 from replay_trace import timeline  # noqa: E402
 
 from engine.memory import segment_plan  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
+from engine.models.staged import Stage, State  # noqa: E402
+from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
 
 MIB = 1024**2
 
@@ -58,11 +64,23 @@ def plan_for(profile: dict, budget: int) -> tuple[SegmentPlan, list[float]]:
     return plan_segments(stages, weights, workspace, budget, (), seconds, bandwidth=50e9), seconds
 
 
+def real_unet(family: str, device: torch.device) -> tuple[list[Stage], Callable[[], State]]:
+    """The UNet's stages on random fp16 weights resident on `device`, and its initial state's maker."""
+    config, side = (sd15_unet_config(), 64) if family == "SD1.5" else (sdxl_unet_config(), 128)
+    unet = UNetModel(config, dtype=torch.float16, device=device)
+    unet.load_state_dict(random_weights(config, torch.float16, device))
+    inputs = unet_inputs(config, side, torch.float16, device)
+    return unet.stages(), lambda: unet.initial_state(*inputs)
+
+
 def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: torch.Tensor,
-             spans: dict[int, int], copy_stream: torch.cuda.Stream) -> Callable[[], None]:
+             spans: dict[int, int], copy_stream: torch.cuda.Stream,
+             real: tuple[list[Stage], Callable[[], State]] | None = None) -> Callable[[], None]:
+    """One call of `plan`: spin kernels of `cycles` per stage, or the `real` stages and initial state."""
     streamed = [s for s in plan.segments if s.streamed]
 
     def call() -> None:
+        state = real[1]() if real is not None else None
         compute = torch.cuda.current_stream()
         copy_stream.wait_stream(compute)
         done: dict[int, torch.cuda.Event] = {}
@@ -83,7 +101,10 @@ def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: tor
             if segment.streamed:
                 compute.wait_event(copied[segment.index])
             for stage in range(segment.start, segment.stop):
-                torch.cuda._sleep(cycles[stage])
+                if real is not None:
+                    state = real[0][stage].run(state)
+                else:
+                    torch.cuda._sleep(cycles[stage])
             done[segment.index] = torch.cuda.Event()
             done[segment.index].record(compute)
         compute.wait_stream(copy_stream)
@@ -118,6 +139,8 @@ def main() -> int:
     parser.add_argument("profile", type=Path)
     parser.add_argument("--points", default="SDXL:388,SD1.5:1103")
     parser.add_argument("--variant", action="append", default=[], help="CONSTANT=value of segment_plan.py")
+    parser.add_argument("--real", action="store_true",
+                        help="the UNet's own stages on resident random weights instead of spin kernels")
     args = parser.parse_args()
     profiles = {p["model"].split()[0]: p for p in json.loads(args.profile.read_text())["models"]}
     variants = [("default", {})]
@@ -130,6 +153,7 @@ def main() -> int:
     device = torch.device("cuda")
     rate = spin_rate(device)
     copy_stream = torch.cuda.Stream(device)
+    print(f"compute: {'the UNet stages' if args.real else 'spin kernels'}")
     print("| point | variant | mode | segments | copies | ms / call | copy busy ms | copies GB/s while busy "
           "| compute ms |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -152,7 +176,8 @@ def main() -> int:
                     total += segment.ring_bytes
             host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
-            call = toy_call(plan, cycles, ring, host, spans, copy_stream)
+            real = real_unet(family, device) if args.real else None
+            call = toy_call(plan, cycles, ring, host, spans, copy_stream, real)
             for mode in ("eager", "graph"):
                 run = call
                 if mode == "graph":
@@ -166,7 +191,7 @@ def main() -> int:
                 print(f"| {point} | {label} | {mode} | {len(plan.segments)} | {len(spans)} | {ms:.2f} | "
                       f"{figures.get('copy_busy_ms', 0):.2f} | {figures.get('copy_gbps', 0):.1f} | "
                       f"{figures.get('compute_ms', 0):.2f} |", flush=True)
-            del host, ring
+            del host, ring, real
     return 0
 
 
