@@ -21,27 +21,27 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from memory import time_step  # noqa: E402
+
 MIB = 1024**2
+KINDS = ("none", "spin", "matmul", "add", "conv", "attention", "groupnorm")  # compute per segment
+WAITS = ("both", "copy", "compute", "none")  # which waits of the runner's pattern the toy keeps
 
 
 def timed(device: torch.device, call: Callable[[], None], calls: int) -> float:
     """Median milliseconds of `call` over `calls` calls, after two warm-up calls."""
     for _ in range(2):
         call()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_step(device, call) for _ in range(calls))
 
 
 def compute_kernels(kind: str, micros: float, device: torch.device) -> Callable[[], None]:
@@ -72,8 +72,7 @@ def compute_kernels(kind: str, micros: float, device: torch.device) -> Callable[
         x = torch.randn(2, 320, 64, 64, dtype=torch.float16, device=device)
         one = lambda: F.group_norm(x, 32)  # noqa: E731
     else:
-        raise ValueError(f"unknown compute kind {kind!r}; accepted: none, spin, matmul, add, conv, "
-                         "attention, groupnorm")
+        raise ValueError(f"unknown compute kind {kind!r}; accepted: {', '.join(KINDS)}")
     repeats = max(1, round(micros / 1e3 / timed(device, one, 5)))  # ms wanted / ms of one
 
     def group() -> None:
@@ -145,6 +144,13 @@ def main() -> int:
     args = parser.parse_args()
     if args.segments < 1 or args.slots < 1 or args.copy_mib <= 0 or args.compute_us < 0:
         parser.error("--segments and --slots must be at least 1, --copy-mib above 0, --compute-us at least 0")
+    for name, given, accepted in (("--kinds", args.kinds, KINDS), ("--waits", args.waits, WAITS)):
+        bad = [value for value in given.split(",") if value not in accepted]
+        if bad:
+            parser.error(f"unknown {name} value(s) {', '.join(map(repr, bad))}; "
+                         f"accepted: {', '.join(accepted)}")
+    if not all(s.isdigit() for s in args.shifts.split(",")):
+        parser.error(f"bad --shifts {args.shifts!r}; accepted: comma-separated byte counts, e.g. 0,256")
     device = torch.device("cuda")
     chunk = int(args.copy_mib * MIB)
     shifts = [int(s) for s in args.shifts.split(",")]

@@ -240,22 +240,20 @@ def _compute(device: torch.device) -> object:
     return resolve_device(device_name(device))
 
 
-def stage_bytes(config: UNetConfig, dtype: torch.dtype) -> tuple[int, int]:
-    """(largest stage's weight bytes, all weight bytes) of the UNet."""
+def stage_bytes(config: UNetConfig, dtype: torch.dtype) -> tuple[list[int], int]:
+    """(each stage's weight bytes, all weight bytes) of the UNet."""
     unet = UNetModel(config, dtype=dtype, device="meta")
     sizes = [stage.parameter_bytes() for stage in unet.stages()]
-    return max(sizes), sum(p.numel() * p.element_size() for p in unet.parameters())
+    return sizes, sum(p.numel() * p.element_size() for p in unet.parameters())
 
 
-def floor_ms(config: UNetConfig, dtype: torch.dtype, profile: StageProfile | None, resident_ms: float,
-             budget: int, bandwidth: float) -> float | None:
-    """The least step time any plan can reach within `budget` (stream_model.floor_seconds), from the
-    resident run's per-stage times (scaled to its step time: the stages were timed eagerly) and workspace
-    peaks; None without a profile."""
+def floor_ms(sizes: list[int], profile: StageProfile | None, resident_ms: float, budget: int,
+             bandwidth: float) -> float | None:
+    """The least step time any plan can reach within `budget` (stream_model.floor_seconds), from the stages'
+    weight bytes and the resident run's per-stage times (scaled to its step time: the stages were timed
+    eagerly) and workspace peaks; None without a profile."""
     if profile is None or sum(profile.seconds) <= 0:
         return None
-    unet = UNetModel(config, dtype=dtype, device="meta")
-    sizes = [stage.parameter_bytes() for stage in unet.stages()]
     scale = resident_ms / 1e3 / sum(profile.seconds)
     seconds = [s * scale for s in profile.seconds]
     return floor_seconds(seconds, sizes, profile.workspace, budget, bandwidth) * 1e3
@@ -366,7 +364,7 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
                                                          args.steps)
     weights = random_weights(config, dtype, device)
     inputs = unet_inputs(config, side, dtype, device)
-    largest, total = stage_bytes(config, dtype)
+    sizes, total = stage_bytes(config, dtype)
     ms, peak, reserved, copied, segments, workspace, profile = sluice_run(config, weights, inputs, device,
                                                                           "device",
                                                                  None, args.warmup, args.steps)
@@ -375,7 +373,7 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
     print(format_table(rows), flush=True)
     offloaded = [r for r in theirs if "offload" in r.mode and r.peak_gib == r.peak_gib]
     peaks = {int(r.peak_gib * GIB): r.mode for r in offloaded}
-    for budget in budgets(largest, total, workspace, args.budgets, list(peaks)):
+    for budget in budgets(max(sizes), total, workspace, args.budgets, list(peaks)):
         mode = f"sluice pinned RAM, budget {budget / MIB:.1f} MiB"
         if budget in peaks:
             mode += f" (= {peaks[budget].removeprefix('diffusers ')} peak)"
@@ -388,7 +386,7 @@ def bench_model(name: str, config: UNetConfig, side: int, dtype: torch.dtype, de
             continue
         must_stream = max(0, total + workspace - budget)  # what cannot stay resident under the budget
         physical = max(resident.step_ms, must_stream / bandwidth * 1e3)
-        floor = floor_ms(config, dtype, profile, resident.step_ms, budget, bandwidth)
+        floor = floor_ms(sizes, profile, resident.step_ms, budget, bandwidth)
         rows.append(Row(name, mode, budget / GIB, ms, peak, copied, segments, physical, reserved, floor))
         print(format_table(rows[-1:], header=False), flush=True)
     return rows + theirs

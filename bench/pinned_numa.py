@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.memory.stream_model import pinned_copy_rate  # noqa: E402
 
 MIB = 1024**2
 
@@ -29,18 +34,6 @@ def node_cpus() -> dict[int, set[int]]:
                 cpus.update(range(int(first), int(last or first) + 1))
         nodes[int(path.name[4:])] = cpus
     return nodes
-
-
-def rate(host: torch.Tensor, target: torch.Tensor) -> float:
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(host, non_blocking=True)
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return host.numel() / best / 1e9
 
 
 def main() -> int:
@@ -70,7 +63,7 @@ def main() -> int:
             host = torch.empty(args.mib * MIB, dtype=torch.uint8, pin_memory=True)
             host.fill_(1)
             kept.append(host)
-            rates.append(rate(host, target))
+            rates.append(pinned_copy_rate(host, target) / 1e9)
         print(f"{label}: " + " ".join(f"{r:.1f}" for r in rates) + " GB/s", flush=True)
     os.sched_setaffinity(0, allowed)
     return 0

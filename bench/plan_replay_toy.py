@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memory import random_weights, unet_inputs  # noqa: E402
+from memory import random_weights, time_step, unet_inputs  # noqa: E402
 from plan_study import unet_stage_weights  # noqa: E402
-from replay_trace import timeline  # noqa: E402
+from replay_trace import profiled, timeline  # noqa: E402
 
 from engine.memory import segment_plan  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
@@ -112,25 +111,12 @@ def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: tor
     return call
 
 
-def measure(call: Callable[[], None], calls: int = 10) -> tuple[float, dict]:
+def measure(device: torch.device, call: Callable[[], None], calls: int = 10) -> tuple[float, dict]:
+    """(median ms of `calls` calls after two warm-up calls, replay_trace's figures of one more)."""
     for _ in range(2):
         call()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-        call()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        profiler.export_chrome_trace(str(path))
-        figures = timeline(json.loads(path.read_text()))
-    return statistics.median(times), figures
+    ms = statistics.median(time_step(device, call) for _ in range(calls))
+    return ms, timeline(profiled(device, call))
 
 
 def main() -> int:
@@ -187,7 +173,7 @@ def main() -> int:
                     with torch.cuda.graph(graph):
                         call()
                     run = graph.replay
-                ms, figures = measure(run)
+                ms, figures = measure(device, run)
                 print(f"| {point} | {label} | {mode} | {len(plan.segments)} | {len(spans)} | {ms:.2f} | "
                       f"{figures.get('copy_busy_ms', 0):.2f} | {figures.get('copy_gbps', 0):.1f} | "
                       f"{figures.get('compute_ms', 0):.2f} |", flush=True)

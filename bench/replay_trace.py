@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -137,6 +138,18 @@ def _longest_beside(copy: dict, trace: dict) -> str:
     return name
 
 
+def profiled(device: torch.device, call: Callable[[], object]) -> dict:
+    """The Chrome trace (CUDA activity) of one `call`, as a dict."""
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        call()
+        torch.cuda.synchronize(device)
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        return json.loads(path.read_text())
+
+
 def trace_point(name: str, config: object, weights: dict, inputs: tuple, device: torch.device, budget: int,
                 keep: Path | None, graphs: str) -> dict:
     release_garbage(device)
@@ -153,16 +166,9 @@ def trace_point(name: str, config: object, weights: dict, inputs: tuple, device:
         for _ in range(5):  # measuring calls, the steady call, the capture
             step()
         step_ms = statistics.median(time_step(device, step) for _ in range(10))
-        torch.cuda.synchronize(device)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
-            step()
-            torch.cuda.synchronize(device)
-        with tempfile.TemporaryDirectory() as folder:
-            path = Path(folder) / "trace.json"
-            profiler.export_chrome_trace(str(path))
-            trace = json.loads(path.read_text())
-            if keep is not None:
-                keep.write_text(path.read_text())
+        trace = profiled(device, step)
+        if keep is not None:
+            keep.write_text(json.dumps(trace))
         plan = runtime.snapshot()["modules"][module]["plan"]
         streamed = sum(1 for s in plan["segments"] if s["streamed"])
         return {"model": name, "budget_mib": budget / MIB, "step_ms": step_ms,

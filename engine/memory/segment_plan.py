@@ -194,9 +194,9 @@ def _ring_choices(
     choices: dict[tuple[int, int], int] = {}  # (ring, largest streamed stage) -> chunk, in order
     for share in (RING_SHARE, 2 * RING_SHARE):
         for bound in bounds:
+            kept = sum(size for size in sizes if size > bound)
             shared = min(room, max(2 * bound, min(ring_target, room // share)))
             for ring in dict.fromkeys((shared, 2 * bound)):  # the share's ring, and the least for `bound`
-                kept = sum(size for size in sizes if size > bound)
                 must = total - (room - ring)  # bytes that stream: at most half of the stages that may
                 if kept <= (room - ring) // 2 or (kept <= room - ring and total - kept >= 2 * must):
                     choices.setdefault((ring, bound), max(bound, ring // RING_CHUNKS))

@@ -64,16 +64,21 @@ def copy_bandwidth(device: torch.device) -> float | None:
     if index not in _BANDWIDTH:
         host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
         target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-        best = float("inf")
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            target.copy_(host, non_blocking=True)
-            end.record()
-            end.synchronize()
-            best = min(best, start.elapsed_time(end) / 1e3)
-        _BANDWIDTH[index] = PROBE_BYTES / max(best, 1e-9)
+        _BANDWIDTH[index] = pinned_copy_rate(host, target)
     return _BANDWIDTH[index]
+
+
+def pinned_copy_rate(host: torch.Tensor, target: torch.Tensor, repeats: int = 3) -> float:
+    """Bytes per second of copying pinned `host` into CUDA `target` (the best of `repeats` copies)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return host.numel() * host.element_size() / max(best, 1e-9)
 
 
 def floor_seconds(
