@@ -14,6 +14,17 @@ then move the plan's bytes into a ring that no stage reads): do the UNet's kerne
 without the weight store and the runner? Eagerly and as one captured graph, it prints ms per call and, from
 the profiler's timeline of one call, the copies' rate while the copy engine was busy (bench/replay_trace.py's
 figures).
+
+--waits picks how the two streams wait for each other: `events` (the runner's way: a copy waits for the
+events of the segments whose ring bytes it overwrites, a streamed segment for its copy's event; inside a
+graph these become edges between the copy and compute branches), `copy` or `compute` (only that side
+waits), `none` (neither: wrong bytes, for the rate alone), or `flags`: the same waits through flags in device
+memory, each set by a one-thread kernel after a segment's compute or a copy, and polled by a one-thread
+kernel on the other stream, so that the captured graph holds two chains with no edges between them.
+`relay_kernel` and `relay_copy` are `events` with the copy's event recorded after a one-thread kernel or a
+4-byte device copy that follows the copy, so that in a graph the edge to compute leaves that node and not
+the copy; `hybrid` has copies wait for events, and compute poll a flag that a 4-byte copy from pinned memory
+sets after each copy (the copy branch then holds copies alone).
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -40,6 +53,28 @@ from engine.models.staged import Stage, State  # noqa: E402
 from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
 
 MIB = 1024**2
+WAITS = ("events", "copy", "compute", "none", "flags", "relay_kernel", "relay_copy", "hybrid")
+
+
+@triton.jit
+def _poll(flags, index):
+    """Spin until flags[index] is non-zero (volatile loads: from L2, never a stale L1 line)."""
+    value = tl.load(flags + index, volatile=True)
+    while value == 0:
+        value = tl.load(flags + index, volatile=True)
+
+
+@triton.jit
+def _raise(flags, index):
+    tl.store(flags + index, 1)
+
+
+def poll(flags: torch.Tensor, index: int) -> None:
+    _poll[(1,)](flags, index, num_warps=1)
+
+
+def raise_flag(flags: torch.Tensor, index: int) -> None:
+    _raise[(1,)](flags, index, num_warps=1)
 
 
 def spin_rate(device: torch.device) -> float:
@@ -74,13 +109,21 @@ def real_unet(family: str, device: torch.device) -> tuple[list[Stage], Callable[
 
 def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: torch.Tensor,
              spans: dict[int, int], copy_stream: torch.cuda.Stream,
-             real: tuple[list[Stage], Callable[[], State]] | None = None) -> Callable[[], None]:
-    """One call of `plan`: spin kernels of `cycles` per stage, or the `real` stages and initial state."""
+             real: tuple[list[Stage], Callable[[], State]] | None = None, waits: str = "events"
+             ) -> Callable[[], None]:
+    """One call of `plan`: spin kernels of `cycles` per stage, or the `real` stages and initial state; the
+    streams wait for each other as `waits` says (see the module docstring)."""
     streamed = [s for s in plan.segments if s.streamed]
+    count = len(plan.segments)
+    flags = torch.zeros(2 * count, dtype=torch.int32, device=ring.device)  # computed[0:count], copied[count:]
+    one_host = torch.ones(1, dtype=torch.int32).pin_memory()
+    one_device = torch.ones(1, dtype=torch.int32, device=ring.device)
 
     def call() -> None:
         state = real[1]() if real is not None else None
         compute = torch.cuda.current_stream()
+        if waits in ("flags", "hybrid"):
+            flags.zero_()
         copy_stream.wait_stream(compute)
         done: dict[int, torch.cuda.Event] = {}
         copied: dict[int, torch.cuda.Event] = {}
@@ -90,20 +133,32 @@ def toy_call(plan: SegmentPlan, cycles: list[int], ring: torch.Tensor, host: tor
                 copy = streamed[queued]
                 with torch.cuda.stream(copy_stream):
                     for waited in copy.waits:
-                        copy_stream.wait_event(done[waited])
+                        if waits == "flags":
+                            poll(flags, waited)
+                        elif waits not in ("compute", "none"):
+                            copy_stream.wait_event(done[waited])
                     start = spans[copy.index]
                     ring[copy.ring_offset: copy.ring_offset + copy.ring_bytes].copy_(
                         host[start: start + copy.ring_bytes], non_blocking=True)
+                    flag = flags[count + copy.index : count + copy.index + 1]
+                    if waits in ("flags", "relay_kernel"):
+                        raise_flag(flags, count + copy.index)
+                    elif waits in ("relay_copy", "hybrid"):
+                        flag.copy_(one_device if waits == "relay_copy" else one_host, non_blocking=True)
                     copied[copy.index] = torch.cuda.Event()
                     copied[copy.index].record(copy_stream)
                 queued += 1
-            if segment.streamed:
+            if segment.streamed and waits in ("flags", "hybrid"):
+                poll(flags, count + segment.index)
+            elif segment.streamed and waits not in ("copy", "none"):
                 compute.wait_event(copied[segment.index])
             for stage in range(segment.start, segment.stop):
                 if real is not None:
                     state = real[0][stage].run(state)
                 else:
                     torch.cuda._sleep(cycles[stage])
+            if waits == "flags":
+                raise_flag(flags, segment.index)
             done[segment.index] = torch.cuda.Event()
             done[segment.index].record(compute)
         compute.wait_stream(copy_stream)
@@ -127,7 +182,11 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[], help="CONSTANT=value of segment_plan.py")
     parser.add_argument("--real", action="store_true",
                         help="the UNet's own stages on resident random weights instead of spin kernels")
+    parser.add_argument("--waits", default="events", help=f"comma-separated, of: {', '.join(WAITS)}")
     args = parser.parse_args()
+    for waits in args.waits.split(","):
+        if waits not in WAITS:
+            parser.error(f"unknown --waits {waits!r}; accepted: {', '.join(WAITS)}")
     profiles = {p["model"].split()[0]: p for p in json.loads(args.profile.read_text())["models"]}
     variants = [("default", {})]
     variants += [(v, dict(a.partition("=")[::2] for a in v.split(","))) for v in args.variant]
@@ -140,9 +199,9 @@ def main() -> int:
     rate = spin_rate(device)
     copy_stream = torch.cuda.Stream(device)
     print(f"compute: {'the UNet stages' if args.real else 'spin kernels'}")
-    print("| point | variant | mode | segments | copies | ms / call | copy busy ms | copies GB/s while busy "
-          "| compute ms |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| point | variant | waits | mode | segments | copies | ms / call | copy busy ms "
+          "| copies GB/s while busy | compute ms |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     defaults = {name: getattr(segment_plan, name) for _, change in variants for name in change}
     for point in args.points.split(","):
         family, _, budget = point.partition(":")
@@ -163,20 +222,22 @@ def main() -> int:
             host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
             ring = torch.empty(plan.ring_bytes, dtype=torch.uint8, device=device)
             real = real_unet(family, device) if args.real else None
-            call = toy_call(plan, cycles, ring, host, spans, copy_stream, real)
-            for mode in ("eager", "graph"):
-                run = call
-                if mode == "graph":
-                    call()
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
+            for waits in args.waits.split(","):
+                call = toy_call(plan, cycles, ring, host, spans, copy_stream, real, waits)
+                for mode in ("eager", "graph"):
+                    run = call
+                    if mode == "graph":
                         call()
-                    run = graph.replay
-                ms, figures = measure(device, run)
-                print(f"| {point} | {label} | {mode} | {len(plan.segments)} | {len(spans)} | {ms:.2f} | "
-                      f"{figures.get('copy_busy_ms', 0):.2f} | {figures.get('copy_gbps', 0):.1f} | "
-                      f"{figures.get('compute_ms', 0):.2f} |", flush=True)
+                        torch.cuda.synchronize()
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            call()
+                        run = graph.replay
+                    ms, figures = measure(device, run)
+                    print(f"| {point} | {label} | {waits} | {mode} | {len(plan.segments)} | {len(spans)} | "
+                          f"{ms:.2f} | {figures.get('copy_busy_ms', 0):.2f} | "
+                          f"{figures.get('copy_gbps', 0):.1f} | {figures.get('compute_ms', 0):.2f} |",
+                          flush=True)
             del host, ring, real
     return 0
 
