@@ -212,11 +212,12 @@ def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.d
 
 def modelled(plan: SegmentPlan | None, profile: StageProfile | None, device: torch.device) -> str:
     """", modelled X ms": the step the planner's model predicted from its own inputs (the measured stage
-    times, the in-graph copy rate), to set beside the measured one; "" off CUDA or without a profile."""
-    bandwidth = stream_model.copy_bandwidth(device)
+    times, the copy rate and per-segment cost of a captured call), to set beside the measured one; "" off
+    CUDA or without a profile."""
+    bandwidth, gap = stream_model.call_rates(device, GRAPHS[0] != "off")
     if plan is None or profile is None or not bandwidth or GRAPHS[0] == "off":
         return ""
-    seconds = stream_model.step_seconds(plan, profile.seconds, bandwidth * stream_model.GRAPH_COPY_SHARE)
+    seconds = stream_model.step_seconds(plan, profile.seconds, bandwidth, gap)
     return f", modelled {seconds * 1e3:.1f} ms"
 
 

@@ -11,7 +11,8 @@ call is a captured graph, then one replay runs under torch.profiler. From the GP
   streams, launch gaps);
 - copy idle while compute ran (the ring is full, or nothing is left to copy).
 
-Each --variant sets constants of engine/memory/segment_plan.py (`A=1,B=2`; MiB for RING_TARGET) or GRAPHS
+Each --variant sets constants of engine/memory/segment_plan.py (`A=1,B=2`; MiB for RING_TARGET), POLL
+(on|off: whether a captured call's compute polls copy flags, engine/memory/copy_flags.py) or GRAPHS
 (--cuda-graphs) for another run of every point, so that one GPU session compares plans. Writes the first
 point's Chrome trace to --out.
 """
@@ -44,7 +45,7 @@ from memory import (  # noqa: E402
 )
 
 from engine.devices import device_name  # noqa: E402
-from engine.memory import segment_plan  # noqa: E402
+from engine.memory import copy_flags, segment_plan  # noqa: E402
 from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
 from engine.memory.runtime import MemoryRuntime  # noqa: E402
 from engine.models.unet import UNetModel  # noqa: E402
@@ -211,17 +212,20 @@ def main() -> int:
         for name, value in change.items():
             if name == "GRAPHS":
                 good = value in ("on", "off", "auto")
+            elif name == "POLL":
+                good = value in ("on", "off")
             else:
                 number = value.replace(".", "", 1).isdigit()
                 good = number and isinstance(getattr(segment_plan, name, None), int)
             if not good:
-                parser.error(f"bad assignment {name}={value!r} in --variant; accepted: GRAPHS=on|off|auto or "
-                             "RING_TARGET, RING_SHARE, RING_CHUNKS, STREAMED_TIME_SHARE = a number")
+                parser.error(f"bad assignment {name}={value!r} in --variant; accepted: GRAPHS=on|off|auto, "
+                             "POLL=on|off or RING_TARGET, RING_SHARE, RING_CHUNKS, STREAMED_TIME_SHARE = "
+                             "a number")
         variants.append((variant, change))
     device = torch.device("cuda")
     print(f"copy bandwidth {copy_bandwidth(device) / 1e9:.1f} GB/s", flush=True)
     defaults = {name: getattr(segment_plan, name)
-                for _, change in variants for name in change if name != "GRAPHS"}
+                for _, change in variants for name in change if name not in ("GRAPHS", "POLL")}
     rows, keep = [], args.out / "replay_trace.json"
     args.out.mkdir(parents=True, exist_ok=True)
     for name, config, side in model_cases(False):
@@ -235,10 +239,11 @@ def main() -> int:
                 for constant, value in defaults.items():
                     setattr(segment_plan, constant, value)
                 for constant, value in change.items():
-                    if constant == "GRAPHS":
+                    if constant in ("GRAPHS", "POLL"):
                         continue
                     scale = MIB if constant == "RING_TARGET" else 1
                     setattr(segment_plan, constant, int(float(value) * scale))
+                copy_flags.ENABLED = change.get("POLL", "on") == "on"
                 try:
                     row = trace_point(name, config, weights, inputs, device, budget * MIB, keep,
                                       change.get("GRAPHS", "auto"))

@@ -29,7 +29,8 @@ space that later copies wait for. Session 11's study of the H200's measured stag
 then fitting about 20 us of overhead per copy and 40 us per streamed segment to the measured steps) put the
 cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a few % slower at SDXL's smallest
 budget, where there are the most segments. But each streamed segment also costs the compute stream about
-stream_model.SEGMENT_GAP inside a graph, so where the model has compute hide the copies (SD1.5 at 1418 MiB,
+stream_model.SEGMENT_GAP inside a graph that waits for events (POLLED_SEGMENT_GAP where it polls flags), so
+where the model has compute hide the copies (SD1.5 at 1418 MiB,
 SDXL from 4199 MiB), plans cut at 1/50, 1/25 or not at all by compute time are modelled too, and fewer
 segments win. Where copies bind the model cannot tell the cuts apart and the plan keeps 1/STREAMED_TIME_SHARE
 (session 13's sweep on the H200, bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log: at
@@ -93,6 +94,7 @@ def plan_segments(
     overlap: bool = True,
     ring_target: int | None = None,
     bandwidth: float | None = None,
+    segment_gap: float = stream_model.SEGMENT_GAP,
 ) -> SegmentPlan:
     """Plan `stages` so that resident weights + stream ring + workspace <= budget_available.
 
@@ -100,7 +102,8 @@ def plan_segments(
     stay on the device anyway (they cost nothing). `stage_seconds` weighs where streamed bytes go (uniform
     when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute.
     `ring_target` defaults to RING_TARGET. With `bandwidth` (bytes per second of the copies) and stage
-    times, the plan is the fastest by stream_model.py of the default ring and smaller rings that keep the
+    times, the plan is the fastest by stream_model.py (each streamed segment costing compute `segment_gap`)
+    of the default ring and smaller rings that keep the
     largest stages resident (see `_ring_choices`), cut by compute time at STREAMED_TIME_SHARE, and where
     compute hides the copies also at OTHER_TIME_SHARES. A stage that cannot fit alone raises BudgetExceeded.
     """
@@ -150,13 +153,13 @@ def plan_segments(
     plans = cut(STREAMED_TIME_SHARE)
     if not (known and bandwidth):
         return plans[0]
-    modelled = [stream_model.step_seconds(plan, times, bandwidth) for plan in plans]
+    modelled = [stream_model.step_seconds(plan, times, bandwidth, segment_gap) for plan in plans]
     least_copied = min(_streamed_bytes(plan) for plan in plans)
     if least_copied / bandwidth <= sum(times) * HIDDEN:  # compute hides the copies: segments' cost matters
         for share in OTHER_TIME_SHARES:
             more = cut(share)
             plans += more
-            modelled += [stream_model.step_seconds(plan, times, bandwidth) for plan in more]
+            modelled += [stream_model.step_seconds(plan, times, bandwidth, segment_gap) for plan in more]
     near = [plan for plan, seconds in zip(plans, modelled, strict=True) if seconds <= min(modelled) * TIE]
     return min(near, key=lambda plan: (_streamed_bytes(plan), len(plan.segments)))
 

@@ -25,7 +25,8 @@ workspace, and reused while they still fit.
 
 CUDA graphs (`--cuda-graphs`, on by default on CUDA): once a call ran with the same input shape, plan,
 stream ring and weight residency as the call before it (nothing was copied in or evicted), the next call is
-captured as one CUDA graph, copies into the ring and their events included, and later calls with the same
+captured as one CUDA graph, copies into the ring and their waits included (compute polls a flag per
+streamed copy where copy_flags.py's kernel works, else waits for events), and later calls with the same
 key replay it: the host then queues one graph instead of thousands of kernels, which on a launch-bound
 model is most of a step. Inputs are copied into the graph's tensors and outputs cloned out. The graph's
 memory pool holds the call's workspace for as long as the graph lives, so the ledger keeps that workspace
@@ -45,6 +46,7 @@ import torch
 from engine import telemetry
 from engine.devices import device_name
 from engine.memory import stream_model
+from engine.memory.copy_flags import CopyFlags
 from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
 from engine.memory.stage_timing import (
@@ -84,6 +86,7 @@ class _Graph:
     output: State  # the captured call's output state (the graph's tensors)
     key: tuple
     copies: list[tuple[int, int]]  # (streamed segment index, bytes) the graph copies on each replay
+    flags: CopyFlags | None  # the flags its compute polls for copies (None: it waits for events)
 
 
 def _shape_signature(state: State) -> tuple:
@@ -134,6 +137,7 @@ class SegmentRunner:
         self._timed: dict[tuple, int] = {}  # shape signature -> calls that measured it
         self._ring: StreamRing | None = None
         self._copy_stream: torch.cuda.Stream | None = None
+        self._flags: CopyFlags | None = None  # set while a call is captured where polling works
         self._computing: int | None = None
         self._issued: set[int] = set()  # streamed segments whose copy is queued and not yet computed
         self._bound_ring: Segment | None = None  # the streamed segment whose ring views are bound now
@@ -243,10 +247,14 @@ class SegmentRunner:
             if event.kind == "transfer" and str(event.get("key", "")).startswith("segment "):
                 copies.append((int(event["key"].removeprefix("segment ")), int(event["bytes"])))
 
+        streamed = not plan.whole and any(s.streamed for s in plan.segments) and self.prefetch
+        flags = CopyFlags(len(plan.segments), self.device) if streamed and CopyFlags.available(self.device) \
+            else None
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         unsubscribe = self.bus.subscribe(record)
         copies_before = self.store.copies
+        self._flags = flags
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the GUI thread polls meanwhile
                 output = self._run_eager(plan, stages, inputs, key[0], False)
@@ -254,13 +262,14 @@ class SegmentRunner:
             self._forget_captured_copies()
             raise
         finally:
+            self._flags = None
             unsubscribe()
         if (self.store.copies, self.store.generation, self._ring_serial) != (copies_before, *key[2:4]):
             # the capture copied weights in or evicted some (room got tighter): those copies were only
             # recorded, never run, so nothing it touched may be trusted
             self._forget_captured_copies()
             raise RuntimeError("weights moved while the call was captured")
-        self._graph = _Graph(graph, static, output, key, copies)
+        self._graph = _Graph(graph, static, output, key, copies, flags)
         self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
         self.ledger.mark_pooled(self.module, "workspace", GRAPH_KEY)
         self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
@@ -355,6 +364,8 @@ class SegmentRunner:
         if self.device.type == "cuda":
             compute = torch.cuda.current_stream(self.device)
             stream = self._side_stream() if self.prefetch else compute
+            if self._flags is not None:
+                self._flags.reset()  # before the copies: the copy stream waits for this below
             stream.wait_stream(compute)  # the ring's bytes may still be read by the last call's compute
         queued = 0  # streamed segments whose copy is queued, in order
         for segment in plan.segments:
@@ -367,7 +378,7 @@ class SegmentRunner:
             self._start(segment)
             if segment.streamed:
                 if stream is not None:
-                    ring.wait_copied(segment)
+                    ring.wait_copied(segment, self._flags)
                 self._issued.discard(segment.index)
                 self._bound_ring = segment
                 self._hold(ring.bind(plan, segment, resident))
@@ -379,6 +390,8 @@ class SegmentRunner:
             if segment.streamed:
                 ring.mark_done(segment)
             self._end(segment)
+        if self._flags is not None and stream is not None:
+            compute.wait_stream(stream)  # a capture joins the copy stream: no wait for a copy's event did
         return state
 
     def _hold(self, keys: Sequence[str]) -> None:
@@ -405,7 +418,7 @@ class SegmentRunner:
     def _queue_copy(
         self, ring: StreamRing, plan: SegmentPlan, resident: frozenset[str], segment: Segment, stream: Any
     ) -> None:
-        ring.copy(plan, segment, resident, stream, self.module)
+        ring.copy(plan, segment, resident, stream, self.module, self._flags)
         self._issued.add(segment.index)
 
     def _start(self, segment: Segment) -> None:
@@ -544,11 +557,11 @@ class SegmentRunner:
         weights = [{k: self.store.nbytes(k) for k in keys} for keys in stage_keys]
         resident = [k for keys in stage_keys for k in keys if self.store.home(k) == "device"]
         if self.segmented:
-            bandwidth = stream_model.copy_bandwidth(self.device) if seconds and self.prefetch else None
-            if bandwidth and self.graphs:  # the steady calls replay a graph, where copies run slower
-                bandwidth *= stream_model.GRAPH_COPY_SHARE
+            bandwidth, gap = stream_model.call_rates(self.device, self.graphs and self.device.type == "cuda")
+            if not (seconds and self.prefetch):
+                bandwidth = None
             plan = plan_segments(stages, weights, workspace, capacity, resident, seconds, self.prefetch,
-                                 bandwidth=bandwidth)
+                                 bandwidth=bandwidth, segment_gap=gap)
         else:
             everything = sum(self.store.nbytes(k) for keys in stage_keys for k in keys)
             plan = plan_segments(stages, weights, workspace, max(capacity, everything + workspace), resident)

@@ -18,24 +18,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.memory.copy_flags import CopyFlags
+
 if TYPE_CHECKING:  # segment_plan.py imports this module to choose between its plans
     from engine.memory.segment_plan import SegmentPlan
 
 COPY_GAP = 5e-6  # seconds between two copies on the copy engine (measured: 2 to 4 us, plus launch)
-# seconds a streamed segment costs the compute stream in a graph replay (its wait for the copy's event, even
+# seconds a streamed segment costs the compute stream in a graph replay that waits for the copy's event (even
 # when the copy is done): SD1.5 at 1418 MiB on the H200 idled compute 1.1 ms beyond its first wait over 79
 # streamed segments (bench/results/replay_trace_cuda_20261130_s13_compute_bound.log)
 SEGMENT_GAP = 14e-6
-# the ring's copies inside a captured call run at about this share of the probe's rate: 49 to 51 GB/s against
-# 55 on the H200 in every plan but one (bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log;
-# why is not known: bench/results/README.md, session 13)
+# the same where compute polls the copy's flag (copy_flags.py): a poll that finds its flag set takes 1.1 us,
+# with no gap around it (SD1.5 at 1103 MiB on the H200, bench/results/replay_trace_cuda_20261130_s14_poll.*)
+POLLED_SEGMENT_GAP = 2e-6
+# the ring's copies inside a captured call whose compute waits for their events run at about this share of
+# the probe's rate: 49 to 51 GB/s against 55 on the H200 (bench/results/
+# replay_trace_cuda_20261130_s13_time_share_sweep.log); the events' edges from the copy branch to the compute
+# branch do it: polled flags give 55 (bench/results/plan_replay_relays_cuda_20261130_s14.log)
 GRAPH_COPY_SHARE = 0.91
 PROBE_BYTES = 16 * 1024**2  # within 1% of a 256 MiB copy's rate on the H200 (bench/copy_rate.py)
 _BANDWIDTH: dict[int, float] = {}  # CUDA device index -> pinned host-to-device bytes per second
 
 
-def step_seconds(plan: SegmentPlan, stage_seconds: Sequence[float], bandwidth: float) -> float:
-    """Modelled seconds of one call of `plan` (see the module docstring)."""
+def step_seconds(plan: SegmentPlan, stage_seconds: Sequence[float], bandwidth: float,
+                 segment_gap: float = SEGMENT_GAP) -> float:
+    """Modelled seconds of one call of `plan` (see the module docstring), each streamed segment costing the
+    compute stream `segment_gap`."""
     if plan.whole:
         return sum(stage_seconds)
     streamed = [s for s in plan.segments if s.streamed]
@@ -49,9 +57,21 @@ def step_seconds(plan: SegmentPlan, stage_seconds: Sequence[float], bandwidth: f
             start = max([copy_free] + [done[w] for w in copy.waits])
             copy_free = copied[copy.index] = start + copy.ring_bytes / bandwidth + COPY_GAP
             queued += 1
-        start = max(compute, copied[segment.index]) + SEGMENT_GAP if segment.streamed else compute
+        start = max(compute, copied[segment.index]) + segment_gap if segment.streamed else compute
         compute = done[segment.index] = start + sum(stage_seconds[segment.start : segment.stop])
     return max(compute, copy_free)
+
+
+def call_rates(device: torch.device, graphs: bool) -> tuple[float | None, float]:
+    """(copy bytes per second, seconds per streamed segment) of the calls a runner makes on `device`: the
+    probe's rate and SEGMENT_GAP eagerly; in captured calls the same rate and POLLED_SEGMENT_GAP where compute
+    polls copy flags, else GRAPH_COPY_SHARE of the rate. The rate is None off CUDA."""
+    bandwidth = copy_bandwidth(device)
+    if bandwidth is None or not graphs:
+        return bandwidth, SEGMENT_GAP
+    if CopyFlags.available(device):
+        return bandwidth, POLLED_SEGMENT_GAP
+    return bandwidth * GRAPH_COPY_SHARE, SEGMENT_GAP
 
 
 def copy_bandwidth(device: torch.device) -> float | None:

@@ -7,7 +7,9 @@ parameters viewing the ring are made once per plan and rebound for every call.
 On CUDA, copies run on the copy stream: a segment's copy first waits for the compute of the segments whose
 bytes it overwrites (their `done` events), and records `copied`, which the compute stream waits for before
 the segment runs. Ordering lives on the GPU, so the host never blocks and can queue copies as far ahead as
-the ring allows. On a CPU the copies are plain synchronous copies.
+the ring allows. In a captured call the compute stream waits through copy_flags.py's flags instead of the
+`copied` events where it can (edges from copies to compute slow a graph's copies). On a CPU the copies are
+plain synchronous copies.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from engine import telemetry
 from engine.devices import device_name
+from engine.memory.copy_flags import CopyFlags
 from engine.memory.segment_plan import Segment, SegmentPlan
 from engine.memory.weight_store import WeightStore, aligned
 
@@ -68,8 +71,10 @@ class StreamRing:
         resident: frozenset[str],
         stream: torch.cuda.Stream | None,
         module: str,
+        flags: CopyFlags | None = None,
     ) -> None:
-        """Queue the copy of `segment`'s weights into the ring (on `stream` on CUDA)."""
+        """Queue the copy of `segment`'s weights into the ring (on `stream` on CUDA), then set its flag in
+        `flags` when given."""
         layout = self._layout(plan, segment, resident)
         began = time.perf_counter()
         if stream is None:
@@ -80,6 +85,8 @@ class StreamRing:
                     if waited in self._done:
                         stream.wait_event(self._done[waited])
                 self._copy_runs(layout)
+                if flags is not None:
+                    flags.set_after_copy(segment.index)
                 event = self._copied.setdefault(segment.index, torch.cuda.Event())
                 event.record(stream)
         self.bus.publish(
@@ -93,9 +100,12 @@ class StreamRing:
             stream=None if stream is None else str(stream),
         )
 
-    def wait_copied(self, segment: Segment) -> None:
-        """Make the current (compute) stream wait for the segment's copy."""
-        if segment.index in self._copied:
+    def wait_copied(self, segment: Segment, flags: CopyFlags | None = None) -> None:
+        """Make the current (compute) stream wait for the segment's copy: by polling its flag in `flags`
+        when given, else by its event."""
+        if flags is not None:
+            flags.wait(segment.index)
+        elif segment.index in self._copied:
             torch.cuda.current_stream(self.device).wait_event(self._copied[segment.index])
 
     def mark_done(self, segment: Segment) -> None:

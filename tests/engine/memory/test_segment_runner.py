@@ -4,9 +4,12 @@ from memory_toy_model import ToyStaged, reference_weights
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.memory import copy_flags
+from engine.memory.copy_flags import CopyFlags
 from engine.memory.ledger import BudgetExceeded, DeviceLedger
 from engine.memory.segment_plan import STREAMED_TIME_SHARE
 from engine.memory.segments import SegmentRunner, plan_segments
+from engine.memory.stream_ring import StreamRing
 from engine.memory.weight_store import WeightStore
 from engine.telemetry import EventBus, EventRecorder
 
@@ -316,6 +319,8 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
         assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
     assert runner._graph is not None
     assert runner._graph.key[0] == (("x", (((8, 256), "torch.float32", "cuda:0"),)),)
+    polls = budget is not None and CopyFlags.available(torch.device("cuda"))
+    assert (runner._graph.flags is not None) == polls  # compute polls flags where it can, else events
     streamed = [s for s in runner.plan.segments if s.streamed]
     replayed = [e for e in events.of_kind("transfer") if e["stream"] == "graph"]
     assert bool(streamed) == (budget is not None) and bool(replayed) == bool(streamed)
@@ -323,6 +328,32 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
     x = torch.randn(8, 256, device="cuda")
     assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
     assert ledger.peak_tracked <= ledger.budget_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+@pytest.mark.parametrize("polling", [False, True])
+def test_cuda_graph_replays_wait_for_slow_copies(polling, monkeypatch):
+    if polling and not CopyFlags.available(torch.device("cuda")):
+        pytest.skip("polling needs a working Triton")
+    monkeypatch.setattr(copy_flags, "ENABLED", polling)
+    copy_runs = StreamRing._copy_runs
+
+    def slow(ring, layout):  # each copy starts a few ms late on the copy stream, in replays too
+        torch.cuda._sleep(5_000_000)
+        copy_runs(ring, layout)
+
+    monkeypatch.setattr(StreamRing, "_copy_runs", slow)
+    resident, weights = reference_weights(256, DEPTH)
+    reference = resident.cuda()
+    ledger = DeviceLedger("cuda0", 4 * (256 * 256 + 256) * 4 + 4 * 16 * 256 * 4)
+    store = WeightStore(ledger)
+    model = ToyStaged(256, DEPTH)
+    store.register_model("diffusion", model, "cpu", "cuda:0", weights.__getitem__)
+    runner = SegmentRunner(store, ledger, "cuda:0", graphs=True)
+    for _ in range(6):  # timing calls, the steady call, the capture, replays: a read before its copy differs
+        x = torch.randn(16, 256, device="cuda")
+        assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
+    assert runner._graph is not None and (runner._graph.flags is not None) == polling
 
 
 def test_plain_values_of_the_state_choose_their_own_plan():
@@ -441,22 +472,35 @@ def test_without_stage_times_a_copy_rate_changes_nothing():
         stages, weights, WORKSPACE, budget)
 
 
-@pytest.mark.parametrize(("graphs", "planned"), [(True, 91.0), (False, 100.0)])
-def test_the_plan_assumes_the_slower_copies_of_a_captured_call(graphs, planned, monkeypatch):
+@pytest.mark.parametrize(("graphs", "polling", "rate", "gap"), [
+    (False, True, 100.0, "SEGMENT_GAP"),  # eager calls: the probe's rate
+    (True, False, 91.0, "SEGMENT_GAP"),  # replays waiting for events: slower copies
+    (True, True, 100.0, "POLLED_SEGMENT_GAP"),  # replays polling flags: full rate, a shorter wait
+])
+def test_calls_are_modelled_with_the_rates_of_how_they_wait(graphs, polling, rate, gap, monkeypatch):
+    from engine.memory import stream_model
+
+    monkeypatch.setattr(stream_model, "copy_bandwidth", lambda device: 100.0)
+    monkeypatch.setattr(stream_model, "GRAPH_COPY_SHARE", 0.91)
+    monkeypatch.setattr(CopyFlags, "available", staticmethod(lambda device: polling))
+    assert stream_model.call_rates(torch.device("cuda", 0), graphs) == pytest.approx(
+        (rate, getattr(stream_model, gap)))
+
+
+def test_the_runner_plans_with_the_rates_of_its_calls(monkeypatch):
     from engine.memory import segments, stream_model
 
     seen = []
 
-    def recording(*args, bandwidth=None, **kwargs):
-        seen.append(bandwidth)
-        return plan_segments(*args, bandwidth=bandwidth, **kwargs)
+    def recording(*args, bandwidth=None, segment_gap=None, **kwargs):
+        seen.append((bandwidth, segment_gap))
+        return plan_segments(*args, bandwidth=bandwidth, segment_gap=segment_gap, **kwargs)
 
-    monkeypatch.setattr(stream_model, "copy_bandwidth", lambda device: 100.0)
-    monkeypatch.setattr(stream_model, "GRAPH_COPY_SHARE", 0.91)
+    monkeypatch.setattr(stream_model, "call_rates", lambda device, graphs: (123.0, 7e-6))
     monkeypatch.setattr(segments, "plan_segments", recording)
     _, weights = reference_weights(WIDTH, DEPTH)
     model, store, ledger, _, _ = build("cpu", TIGHT, None, weights)
-    runner = SegmentRunner(store, ledger, "cpu", graphs=graphs)
+    runner = SegmentRunner(store, ledger, "cpu")
     for _ in range(2):  # the first call measures the stage times, the second plans with them
         runner.run(model.stages(), {"x": torch.randn(4, WIDTH)})
-    assert seen[0] is None and seen[-1] == pytest.approx(planned)
+    assert seen[0][0] is None and seen[-1] == (123.0, 7e-6)

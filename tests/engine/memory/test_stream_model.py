@@ -29,6 +29,9 @@ def test_a_copy_waits_for_the_compute_of_the_segment_it_overwrites():
     plan = three_segments((0,))
     assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0) == pytest.approx(
         4.5 + 2 * COPY_GAP + 2 * SEGMENT_GAP)
+    # with a per-segment cost of 0.1 (a slow wait): copy c -> 1.6 + g + 2 + g, compute c -> 4.7 + 2g
+    assert step_seconds(plan, [0.5, 0.25, 1.0], bandwidth=100.0, segment_gap=0.1) == pytest.approx(
+        4.7 + 2 * COPY_GAP)
 
 
 def test_a_whole_plan_takes_its_compute_time():

@@ -1,0 +1,81 @@
+"""Waits of the compute stream for the copy stream through flags in device memory, for captured calls.
+
+Inside a CUDA graph, the edges that make compute wait for the ring's copies (one per streamed segment) slow
+the copies themselves: on the H200, a graph of the planner's SDXL plan at 388 MiB copied at 50 GB/s with
+those edges and at 55 GB/s, the probe's rate, with compute polling flags instead
+(bench/results/plan_replay_relays_cuda_20261130_s14.log; edges from compute to the copies, the ring's
+waits, do not slow them; neither do edges leaving a small kernel or copy queued after each copy). So in a
+captured call, each streamed segment's copy is followed on the copy stream by a 4-byte copy from pinned
+memory that sets the segment's flag, and the compute stream polls that flag with a one-thread kernel
+before the segment runs: the graph holds no edge from the copy branch to the compute branch but the join
+at its end.
+
+The poll is a Triton kernel. Where Triton is missing or fails (no compiler for its launcher, a device it
+does not support), `CopyFlags.available` says no and the runner keeps the events.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENABLED = True  # poll flags in captured calls where Triton works (False: events everywhere)
+_AVAILABLE: dict[int, bool] = {}  # CUDA device index -> whether a poll ran correctly there
+
+
+class CopyFlags:
+    """One int32 flag per segment on a CUDA device, zeroed at a call's start and set after its copy."""
+
+    def __init__(self, count: int, device: torch.device) -> None:
+        self.flags = torch.zeros(max(count, 1), dtype=torch.int32, device=device)
+        self._one = torch.ones(1, dtype=torch.int32).pin_memory()
+
+    def reset(self) -> None:
+        """Zero every flag (on the current stream: the compute stream, before the call's first copy)."""
+        self.flags.zero_()
+
+    def set_after_copy(self, index: int) -> None:
+        """Set flag `index` once the current stream's queued work is done (on the copy stream, after the
+        segment's copy: a stream's copies complete in order)."""
+        self.flags[index : index + 1].copy_(self._one, non_blocking=True)
+
+    def wait(self, index: int) -> None:
+        """Hold the current stream until flag `index` is set."""
+        from engine.memory import flag_poll
+
+        flag_poll.poll(self.flags, index)
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        """Whether polling works on `device`: a CUDA device where the Triton poll compiled and waited for a
+        flag that another stream set after a delay (checked once per device)."""
+        if not ENABLED or device.type != "cuda":
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _AVAILABLE:
+            _AVAILABLE[index] = _works(torch.device("cuda", index))
+        return _AVAILABLE[index]
+
+
+def _works(device: torch.device) -> bool:
+    try:
+        from engine.memory import flag_poll
+
+        with torch.cuda.device(device):
+            flags = CopyFlags(1, device)
+            seen = torch.zeros(1, dtype=torch.int32, device=device)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(1_000_000)  # about a millisecond: the poll must really wait
+                flags.set_after_copy(0)
+            flag_poll.poll(flags.flags, 0)
+            seen.copy_(flags.flags)  # after the poll on this stream: 1 only if the poll waited
+            torch.cuda.synchronize(device)
+            return bool(seen.item() == 1)
+    except Exception as error:  # noqa: BLE001 - any failure (no Triton, no compiler) keeps the events
+        log.info("cuda: copy flags unavailable (%s); captured calls wait for copies with events", error)
+        return False
