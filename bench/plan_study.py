@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.memory.ledger import BudgetExceeded  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
-from engine.memory.stream_model import floor_seconds, step_seconds  # noqa: E402
+from engine.memory.stream_model import POLLED_SEGMENT_GAP, floor_seconds, step_seconds  # noqa: E402
 from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
 
 MIB = 1024**2
@@ -56,7 +56,7 @@ def plan_bound(plan: SegmentPlan, seconds: list[float], bandwidth: float) -> flo
     return max(bound, total)
 
 
-def study(profile: dict, bandwidth: float, budgets: list[int] | None, copy_rate: float) -> None:
+def study(profile: dict, bandwidth: float, budgets: list[int] | None, copy_rate: float, gap: float) -> None:
     name = profile["model"]
     stages, weights = unet_stage_weights(name)
     measured = profile["stages"]
@@ -80,16 +80,17 @@ def study(profile: dict, bandwidth: float, budgets: list[int] | None, copy_rate:
         budget = budget_mib * MIB
         try:
             default = plan_segments(stages, weights, workspace, budget, (), seconds)
-            plan = plan_segments(stages, weights, workspace, budget, (), seconds, bandwidth=copy_rate)
+            plan = plan_segments(stages, weights, workspace, budget, (), seconds, bandwidth=copy_rate,
+                                 segment_gap=gap)
         except BudgetExceeded:
             print(f"| {budget_mib} | infeasible | | | | | | | | | | |")
             continue
-        modelled = step_seconds(plan, seconds, copy_rate)
+        modelled = step_seconds(plan, seconds, copy_rate, gap)
         physical = max(sum(seconds), max(0, total + workspace - budget) / bandwidth)
         streamed = sum(s.ring_bytes for s in plan.segments if s.streamed)
         floor = floor_seconds(seconds, sizes, peaks, budget, bandwidth)
         print(f"| {budget_mib} | {default.ring_bytes / MIB:.0f} | "
-              f"{step_seconds(default, seconds, copy_rate) * 1e3:.1f} | {plan.ring_bytes / MIB:.0f} | "
+              f"{step_seconds(default, seconds, copy_rate, gap) * 1e3:.1f} | {plan.ring_bytes / MIB:.0f} | "
               f"{streamed / MIB:.0f} | {len(plan.segments)} | {modelled * 1e3:.1f} | "
               f"{plan_bound(plan, seconds, copy_rate) * 1e3:.1f} | {physical * 1e3:.1f} | "
               f"{modelled / physical:.2f} | {floor * 1e3:.1f} | {floor / physical:.2f} |")
@@ -100,14 +101,18 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("profile", type=Path, help="a stage_profile_*.json of bench/stage_profile.py")
     parser.add_argument("--budgets", default="", help="comma-separated budgets in MiB (default: a sweep)")
-    parser.add_argument("--copy-rate", type=float, default=50.0,
-                        help="GB/s of the modelled copies (the ring's copies run at about 50 inside a CUDA "
-                             "graph on the H200, against 55 for the profile's one large copy)")
+    parser.add_argument("--copy-rate", type=float, default=None,
+                        help="GB/s of the modelled copies (default: the profile's probe, the rate of a "
+                             "captured call whose compute polls copy flags; 0.91 of it where it waits for "
+                             "events)")
+    parser.add_argument("--segment-gap-us", type=float, default=POLLED_SEGMENT_GAP * 1e6,
+                        help="us a streamed segment costs compute (2 polling flags, 14 waiting for events)")
     args = parser.parse_args()
     data = json.loads(args.profile.read_text())
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()] or None
     for profile in data["models"]:
-        study(profile, data["bandwidth"], budgets, args.copy_rate * 1e9)
+        rate = args.copy_rate * 1e9 if args.copy_rate else data["bandwidth"]
+        study(profile, data["bandwidth"], budgets, rate, args.segment_gap_us * 1e-6)
     return 0
 
 

@@ -46,7 +46,8 @@ class CopyFlags:
         """Hold the current stream until flag `index` is set."""
         from engine.memory import flag_poll
 
-        flag_poll.poll(self.flags, index)
+        with torch.cuda.device(self.flags.device):  # Triton launches on the current device's stream
+            flag_poll.poll(self.flags, index)
 
     @staticmethod
     def available(device: torch.device) -> bool:

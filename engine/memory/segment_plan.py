@@ -30,11 +30,11 @@ then fitting about 20 us of overhead per copy and 40 us per streamed segment to 
 cut at 1 to 3% off the step time at most budgets of SD1.5 and SDXL, and a few % slower at SDXL's smallest
 budget, where there are the most segments. But each streamed segment also costs the compute stream about
 stream_model.SEGMENT_GAP inside a graph that waits for events (POLLED_SEGMENT_GAP where it polls flags), so
-where the model has compute hide the copies (SD1.5 at 1418 MiB,
-SDXL from 4199 MiB), plans cut at 1/50, 1/25 or not at all by compute time are modelled too, and fewer
-segments win. Where copies bind the model cannot tell the cuts apart and the plan keeps 1/STREAMED_TIME_SHARE
-(session 13's sweep on the H200, bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log: at
-SD1.5 1103 MiB it was 4 to 10% ahead of coarser cuts, at SDXL 388 MiB 0.5 to 4%, at SDXL 2264 MiB 2% behind).
+plans cut at 1/400, 1/50, 1/25 or not at all by compute time are modelled too, and the fastest wins: fewer
+segments where compute hides the copies (SD1.5 at 1418 MiB, SDXL from 4199 MiB), finer ones where copies
+bind and polled segments cost little (SDXL at 331 MiB: 4.5% faster modelled at 1/400, on the H200's stage
+times; bench/plan_study.py). With events, where copies bound, session 13's sweep on the H200 could not tell
+the cuts apart (bench/results/replay_trace_cuda_20261130_s13_time_share_sweep.log).
 Each streamed segment has a ring offset and the earlier segments whose bytes it overwrites (`waits`): its
 copy may start only after their compute has finished.
 """
@@ -51,8 +51,7 @@ from engine.models.staged import Stage
 
 RING_TARGET = 256 * MIB  # the largest stream ring beyond two stages: about 5 ms of copies at 55 GB/s
 STREAMED_TIME_SHARE = 200  # a streamed segment computes for at most this fraction of a call (when known)
-OTHER_TIME_SHARES = (50, 25, 0)  # offered beside it where compute hides the copies (0: no cut by time)
-HIDDEN = 0.8  # compute hides the copies: they take at most this share of the stages' compute time
+OTHER_TIME_SHARES = (400, 50, 25, 0)  # offered beside it, chosen by the model (0: no cut by time)
 RING_SHARE = 8  # the ring takes up to this fraction of the room (at least two of the largest stages)
 RING_CHUNKS = 3  # a streamed segment holds at most this fraction of the ring (at least the largest stage)
 TIE = 1.005  # plans modelled within this factor of the fastest tie: the one streaming the fewest bytes wins
@@ -103,9 +102,9 @@ def plan_segments(
     when None). `overlap` False (no prefetch): a ring of one segment, copies never overlap compute.
     `ring_target` defaults to RING_TARGET. With `bandwidth` (bytes per second of the copies) and stage
     times, the plan is the fastest by stream_model.py (each streamed segment costing compute `segment_gap`)
-    of the default ring and smaller rings that keep the
-    largest stages resident (see `_ring_choices`), cut by compute time at STREAMED_TIME_SHARE, and where
-    compute hides the copies also at OTHER_TIME_SHARES. A stage that cannot fit alone raises BudgetExceeded.
+    of the default ring and smaller rings that keep the largest stages resident (see `_ring_choices`), each
+    cut by compute time at STREAMED_TIME_SHARE and at OTHER_TIME_SHARES. A stage that cannot fit alone
+    raises BudgetExceeded.
     """
     ring_target = RING_TARGET if ring_target is None else ring_target
     if len(stage_weight_bytes) != len(stages):
@@ -154,12 +153,10 @@ def plan_segments(
     if not (known and bandwidth):
         return plans[0]
     modelled = [stream_model.step_seconds(plan, times, bandwidth, segment_gap) for plan in plans]
-    least_copied = min(_streamed_bytes(plan) for plan in plans)
-    if least_copied / bandwidth <= sum(times) * HIDDEN:  # compute hides the copies: segments' cost matters
-        for share in OTHER_TIME_SHARES:
-            more = cut(share)
-            plans += more
-            modelled += [stream_model.step_seconds(plan, times, bandwidth, segment_gap) for plan in more]
+    for share in OTHER_TIME_SHARES:
+        more = cut(share)
+        plans += more
+        modelled += [stream_model.step_seconds(plan, times, bandwidth, segment_gap) for plan in more]
     near = [plan for plan, seconds in zip(plans, modelled, strict=True) if seconds <= min(modelled) * TIE]
     return min(near, key=lambda plan: (_streamed_bytes(plan), len(plan.segments)))
 

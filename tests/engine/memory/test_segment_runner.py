@@ -440,10 +440,39 @@ def test_where_compute_hides_the_copies_streamed_runs_are_not_cut_by_compute_tim
     streamed = [[s for s in plan.segments if s.streamed] for plan in (default, chosen)]
     assert all(s.stop - s.start == 1 for s in streamed[0])
     assert len(streamed[1]) < len(streamed[0])
-    # where the copies take longer than the compute, the cut by compute time stays
+    # where the copies take longer than the compute, each segment's wait costs less than what a coarser cut
+    # delays: the cut by compute time stays
     bound = plan_segments(stages, weights, WORKSPACE, budget, stage_seconds=seconds,
                           bandwidth=BLOCK_BYTES / 1e-3)
     assert [(s.start, s.stop) for s in bound.segments] == [(s.start, s.stop) for s in default.segments]
+
+
+def test_every_cut_by_compute_time_is_modelled_and_the_fastest_taken(monkeypatch):
+    # copies far slower than compute: all cuts are still modelled (a finer one wins where segments cost
+    # little), and the plan taken is modelled within TIE of the fastest of them
+    from engine.memory import segment_plan, stream_model
+
+    caps, modelled = [], []
+    segments, step = segment_plan._segments, stream_model.step_seconds
+
+    def spy_segments(*args):
+        caps.append(args[-1])
+        return segments(*args)
+
+    def spy_step(plan, *args):
+        modelled.append((plan, step(plan, *args)))
+        return modelled[-1][1]
+
+    monkeypatch.setattr(segment_plan, "_segments", spy_segments)
+    monkeypatch.setattr(stream_model, "step_seconds", spy_step)
+    stages, weights = toy_stages(8)
+    seconds = [1e-3] * 8
+    chosen = plan_segments(stages, weights, WORKSPACE, 3 * BLOCK_BYTES + WORKSPACE, stage_seconds=seconds,
+                           bandwidth=BLOCK_BYTES / 1e-2)
+    shares = (segment_plan.STREAMED_TIME_SHARE, *segment_plan.OTHER_TIME_SHARES)
+    assert sorted(set(caps)) == sorted({sum(seconds) / share if share else 0.0 for share in shares})
+    fastest = min(seconds for _, seconds in modelled)
+    assert dict((id(p), t) for p, t in modelled)[id(chosen)] <= fastest * segment_plan.TIE
 
 
 def test_when_little_must_stream_only_small_stages_stream_through_a_small_ring():
