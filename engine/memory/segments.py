@@ -247,9 +247,9 @@ class SegmentRunner:
             if event.kind == "transfer" and str(event.get("key", "")).startswith("segment "):
                 copies.append((int(event["key"].removeprefix("segment ")), int(event["bytes"])))
 
-        streamed = not plan.whole and any(s.streamed for s in plan.segments) and self.prefetch
-        flags = CopyFlags(len(plan.segments), self.device) if streamed and CopyFlags.available(self.device) \
-            else None
+        flags = None  # compute polls a flag per streamed copy where it can (copy_flags.py), else waits
+        if self.prefetch and any(s.streamed for s in plan.segments) and CopyFlags.available(self.device):
+            flags = CopyFlags(len(plan.segments), self.device)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         unsubscribe = self.bus.subscribe(record)
