@@ -3,12 +3,13 @@
 The runner (segments.py) queues each streamed segment's copy as soon as the segments whose ring bytes it
 overwrites (`Segment.waits`) have been queued for compute; the copy engine runs copies in order, each after
 its bytes arrive at `bandwidth` plus COPY_GAP and after the compute of the segments it waits for; a segment
-computes after the one before it and, when streamed, after its copy and SEGMENT_GAP. The call takes until
-both streams are done. With the stage times of the H200's graph-replayed steps and the copy rate seen inside
-those graphs (50 GB/s), this predicted measured SD1.5 and SDXL budgeted steps within 4% before SEGMENT_GAP
-(bench/results/: the default-ring columns of plan_study_20261130_s12_ring_choices.log against
-replay_trace_cuda_20261130_s12_b_*.log), and missed the compute-bound ones (SD1.5 at 1418 MiB: 12.3 ms
-modelled, 13.7 measured; 13.4 with the gap).
+computes after the one before it and, when streamed, after its copy and a per-segment gap (`call_rates`:
+how long its wait takes). The call takes until both streams are done. With the stage times the runner
+measures, the rate and gap of polled replays predicted the copy-bound steps of bench/memory.py on the H200
+within 3.5%, and put SD1.5's near-full ones 5 to 7% low (bench/results/memory_cuda_20261130_075727.log,
+"modelled" beside each plan). With events, at 0.91
+of the rate, it predicted the copy-bound steps within 4% (session 12) and missed the compute-bound ones
+until SEGMENT_GAP (SD1.5 at 1418 MiB: 12.3 ms modelled, 13.7 measured; 13.4 with the gap).
 """
 
 from __future__ import annotations
