@@ -23,43 +23,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memory import random_weights, unet_inputs  # noqa: E402
-from plan_replay_toy import spin_rate  # noqa: E402
+from memory import graphed  # noqa: E402
+from plan_replay_toy import real_unet, spin_rate  # noqa: E402
 
-from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
+from engine.models.staged import run_stages  # noqa: E402
 
 MIB = 1024**2
 
 
 def unet_call(family: str, device: torch.device) -> Callable[[], object]:
-    """One forward of the family's UNet on random weights resident on `device`."""
-    config, side = (sd15_unet_config(), 64) if family == "SD1.5" else (sdxl_unet_config(), 128)
-    unet = UNetModel(config, dtype=torch.float16, device=device)
-    unet.load_state_dict(random_weights(config, torch.float16, device))
-    inputs = unet_inputs(config, side, torch.float16, device)
+    """One forward of the family's UNet on random weights resident on `device` (plan_replay_toy's)."""
+    stages, initial_state = real_unet(family, device)
 
     @torch.no_grad()
     def call() -> object:
-        state = unet.initial_state(*inputs)
-        for stage in unet.stages():
-            state = stage.run(state)
-        return state["h"]
+        return run_stages(stages, initial_state())["h"]
 
     return call
-
-
-def graphed(call: Callable[[], object]) -> Callable[[], None]:
-    """`call` captured as one CUDA graph (after warm-up calls on a side stream); returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
 
 
 def run(compute: Callable[[], None] | None, copies: Callable[[], None] | None, side: torch.cuda.Stream
@@ -98,7 +78,7 @@ def main() -> int:
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for family in ("SD1.5", "SDXL"):
         eager = unet_call(family, device)
-        replay = graphed(eager)
+        replay = graphed(device, eager)
 
         def calls(one: Callable[[], object]) -> Callable[[], None]:
             return lambda: [one() for _ in range(args.calls)]

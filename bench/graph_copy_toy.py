@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory import time_step  # noqa: E402
+from memory import graphed, time_step  # noqa: E402
 
 MIB = 1024**2
 KINDS = ("none", "spin", "matmul", "add", "conv", "attention", "groupnorm")  # compute per segment
@@ -113,19 +113,6 @@ def toy_call(device: torch.device, host: torch.Tensor, ring: list[torch.Tensor],
         main.wait_stream(copy_stream)
 
     return call
-
-
-def graphed(device: torch.device, call: Callable[[], None]) -> Callable[[], None]:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        call()  # warm up outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
 
 
 def main() -> int:

@@ -110,6 +110,20 @@ def time_step(device: torch.device, step: Callable[[], object]) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
+def graphed(device: torch.device, call: Callable[[], object]) -> Callable[[], None]:
+    """`call` captured as one CUDA graph after a warm-up call on a side stream; returns the replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
 def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int, peak_over: int = 0
             ) -> tuple[float, float, float]:
     """(median step ms, peak GiB of live tensors, peak GiB reserved by the allocator) after `warmup` steps.
@@ -158,20 +172,29 @@ def unet_inputs(config: UNetConfig, side: int, dtype: torch.dtype, device: torch
                  for t in (x, timesteps, context, y))
 
 
+def registered_unet(config: UNetConfig, weights: dict, device: torch.device, home: str, budget: int | None,
+                    free_memory_fn: Callable[[], int] | None = None, graphs: str = "auto"
+                    ) -> tuple[MemoryRuntime, str, UNetModel, DeviceLedger, EventBus]:
+    """Our runtime with one ledger of `budget` bytes on `device` (None: no budget), and the UNet of `config`
+    registered in it with `weights` at `home`: (runtime, module name, model, ledger, bus)."""
+    bus = EventBus()
+    ledger = DeviceLedger(device_name(device), budget, free_memory_fn=free_memory_fn, bus=bus)
+    runtime = MemoryRuntime(MemorySettings(cuda_graphs=graphs), bus=bus, ledgers={ledger.device_name: ledger})
+    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
+    name = runtime.register("diffusion", unet, home, ledger.device_name, weights.__getitem__)
+    return runtime, name, unet, ledger, bus
+
+
 def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.device, home: str,
                budget: int | None, warmup: int, steps: int
                ) -> tuple[float, float, float, float, int, int, StageProfile | None]:
     """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes, per-stage times and
     workspace peaks) of our runtime with `home` weights under `budget`."""
     before = release_garbage(device)
-    bus = EventBus()
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
-    ledger = DeviceLedger(device_name(device), budget if budget is not None else (None if free else 1 << 50),
-                          free_memory_fn=free, bus=bus)
-    settings = MemorySettings(cuda_graphs=GRAPHS[0])
-    runtime = MemoryRuntime(settings, bus=bus, ledgers={ledger.device_name: ledger})
-    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
-    name = runtime.register("diffusion", unet, home, ledger.device_name, weights.__getitem__)
+    runtime, name, unet, ledger, bus = registered_unet(
+        config, weights, device, home, budget if budget is not None else (None if free else 1 << 50), free,
+        GRAPHS[0])
     copied = [0]
     counting = [False]
 
@@ -261,7 +284,8 @@ def floor_ms(sizes: list[int], profile: StageProfile | None, resident_ms: float,
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 256 * MIB) -> float:
-    """Bytes per second of pinned host-to-device copies (on a CPU, of a RAM clone, as a stand-in)."""
+    """Bytes per second of pinned host-to-device copies, the best of 5 (on a CPU, of a RAM clone, as a
+    stand-in: the median of 5)."""
     host = torch.empty(nbytes, dtype=torch.uint8)
     if device.type != "cuda":
         times = []
@@ -270,11 +294,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 256 * MIB) -> float:
             host.clone()
             times.append(time.perf_counter() - began)
         return nbytes / statistics.median(times)
-    host = host.pin_memory()
     target = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    target.copy_(host, non_blocking=True)
-    times = [time_step(device, lambda: target.copy_(host, non_blocking=True)) / 1e3 for _ in range(5)]
-    return nbytes / statistics.median(times)
+    return stream_model.pinned_copy_rate(host.pin_memory(), target, repeats=5)
 
 
 def diffusers_rows(name: str, config: UNetConfig, side: int, dtype: torch.dtype, device: torch.device,

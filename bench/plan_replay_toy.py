@@ -18,9 +18,10 @@ figures).
 --waits picks how the two streams wait for each other: `events` (the runner's way: a copy waits for the
 events of the segments whose ring bytes it overwrites, a streamed segment for its copy's event; inside a
 graph these become edges between the copy and compute branches), `copy` or `compute` (only that side
-waits), `none` (neither: wrong bytes, for the rate alone), or `flags`: the same waits through flags in device
-memory, each set by a one-thread kernel after a segment's compute or a copy, and polled by a one-thread
-kernel on the other stream, so that the captured graph holds two chains with no edges between them.
+waits), `none` (neither: wrong bytes, for the rate alone), or `flags`: the same waits through flags in
+device memory, each set by a one-thread kernel after a segment's compute or a copy, and polled on the other
+stream by the runner's one-thread kernel (engine/memory/flag_poll.py), so that the captured graph holds two
+chains with no edges between them.
 `relay_kernel` and `relay_copy` are `events` with the copy's event recorded after a one-thread kernel or a
 4-byte device copy that follows the copy, so that in a graph the edge to compute leaves that node and not
 the copy; `hybrid` has copies wait for events, and compute poll a flag that a 4-byte copy from pinned memory
@@ -43,11 +44,12 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memory import random_weights, time_step, unet_inputs  # noqa: E402
+from memory import graphed, random_weights, time_step, unet_inputs  # noqa: E402
 from plan_study import unet_stage_weights  # noqa: E402
 from replay_trace import profiled, timeline  # noqa: E402
 
 from engine.memory import segment_plan  # noqa: E402
+from engine.memory.flag_poll import poll  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan, plan_segments  # noqa: E402
 from engine.models.staged import Stage, State  # noqa: E402
 from engine.models.unet import UNetModel, sd15_unet_config, sdxl_unet_config  # noqa: E402
@@ -57,20 +59,8 @@ WAITS = ("events", "copy", "compute", "none", "flags", "relay_kernel", "relay_co
 
 
 @triton.jit
-def _poll(flags, index):
-    """Spin until flags[index] is non-zero (volatile loads: from L2, never a stale L1 line)."""
-    value = tl.load(flags + index, volatile=True)
-    while value == 0:
-        value = tl.load(flags + index, volatile=True)
-
-
-@triton.jit
 def _raise(flags, index):
     tl.store(flags + index, 1)
-
-
-def poll(flags: torch.Tensor, index: int) -> None:
-    _poll[(1,)](flags, index, num_warps=1)
 
 
 def raise_flag(flags: torch.Tensor, index: int) -> None:
@@ -225,15 +215,7 @@ def main() -> int:
             for waits in args.waits.split(","):
                 call = toy_call(plan, cycles, ring, host, spans, copy_stream, real, waits)
                 for mode in ("eager", "graph"):
-                    run = call
-                    if mode == "graph":
-                        call()
-                        torch.cuda.synchronize()
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            call()
-                        run = graph.replay
-                    ms, figures = measure(device, run)
+                    ms, figures = measure(device, graphed(device, call) if mode == "graph" else call)
                     print(f"| {point} | {label} | {waits} | {mode} | {len(plan.segments)} | {len(spans)} | "
                           f"{ms:.2f} | {figures.get('copy_busy_ms', 0):.2f} | "
                           f"{figures.get('copy_gbps', 0):.1f} | {figures.get('compute_ms', 0):.2f} |",

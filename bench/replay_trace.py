@@ -39,18 +39,14 @@ from memory import (  # noqa: E402
     copy_bandwidth,
     model_cases,
     random_weights,
+    registered_unet,
     release_garbage,
     time_step,
     unet_inputs,
 )
 
-from engine.devices import device_name  # noqa: E402
 from engine.memory import copy_flags, segment_plan  # noqa: E402
-from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
-from engine.memory.runtime import MemoryRuntime  # noqa: E402
-from engine.models.unet import UNetModel  # noqa: E402
-from engine.placement import MemorySettings  # noqa: E402
-from engine.telemetry import EventBus  # noqa: E402
+from engine.memory.ledger import BudgetExceeded, live_free_memory  # noqa: E402
 
 Interval = tuple[float, float]  # (start, end) in microseconds
 
@@ -154,12 +150,8 @@ def profiled(device: torch.device, call: Callable[[], object]) -> dict:
 def trace_point(name: str, config: object, weights: dict, inputs: tuple, device: torch.device, budget: int,
                 keep: Path | None, graphs: str) -> dict:
     release_garbage(device)
-    bus = EventBus()
-    ledger = DeviceLedger(device_name(device), budget, free_memory_fn=live_free_memory(_compute(device)),
-                          bus=bus)
-    runtime = MemoryRuntime(MemorySettings(cuda_graphs=graphs), bus=bus, ledgers={ledger.device_name: ledger})
-    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
-    module = runtime.register("diffusion", unet, "cpu", ledger.device_name, weights.__getitem__)
+    runtime, module, unet, _, _ = registered_unet(config, weights, device, "cpu", budget,
+                                                  live_free_memory(_compute(device)), graphs)
     try:
         def step() -> object:
             return runtime.run(module, unet, unet.stages(), unet.initial_state(*inputs))["h"]

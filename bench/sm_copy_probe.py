@@ -11,7 +11,6 @@ of bf16 matrix products, with the products' slowdown.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,7 +20,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory import MIB  # noqa: E402
+from memory import MIB, graphed, measure  # noqa: E402
+
+GPU = torch.device("cuda")
 
 
 @triton.jit
@@ -41,39 +42,21 @@ def sm_copy(target: torch.Tensor, source: torch.Tensor, programs: int, block: in
     _pull[(programs,)](source, target, words, BLOCK=block, num_warps=8)
 
 
-def rate(fn, nbytes: int, repeats: int = 5) -> float:
-    """GB/s of fn() moving nbytes, median over repeats after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times) / 1e9
+def rate(fn, nbytes: int) -> float:
+    """GB/s of fn() moving nbytes: bench/memory.py's median of 5 steps after a warm-up."""
+    return nbytes / (measure(GPU, fn, 1, 5)[0] / 1e3) / 1e9
 
 
-def graphed(fn):
-    """fn captured once as a CUDA graph; returns the replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+def eager_and_graph(fn, nbytes: int) -> str:
+    """The cells `eager GB/s | graph GB/s` of fn() moving nbytes."""
+    return f"{rate(fn, nbytes):.1f} | {rate(graphed(GPU, fn), nbytes):.1f}"
 
 
 def main() -> int:
     chunk, count = 64 * MIB, 16
     host = torch.randint(-(2**31), 2**31 - 1, (count * chunk // 4,), dtype=torch.int32).pin_memory()
-    device = torch.empty_like(host, device="cuda")
-    parts = [(device[i * chunk // 4 : (i + 1) * chunk // 4], host[i * chunk // 4 : (i + 1) * chunk // 4])
+    on_gpu = torch.empty_like(host, device=GPU)
+    parts = [(on_gpu[i * chunk // 4 : (i + 1) * chunk // 4], host[i * chunk // 4 : (i + 1) * chunk // 4])
              for i in range(count)]
 
     def engine() -> None:
@@ -87,20 +70,19 @@ def main() -> int:
         return run
 
     try:
-        sm_copy(device, host, 132)
+        sm_copy(on_gpu, host, 132)
     except (RuntimeError, ValueError) as error:  # Triton may refuse a host pointer
         print(f"SM copy refused: {error}")
         return 1
     torch.cuda.synchronize()
-    exact = torch.equal(device.cpu(), host)
+    exact = torch.equal(on_gpu.cpu(), host)
     print(f"SM copy of {count * chunk / MIB:.0f} MiB exact: {exact}")
     print("| copier | eager GB/s | graph GB/s |")
     print("| --- | ---: | ---: |")
     total = count * chunk
-    print(f"| copy engine | {rate(engine, total):.1f} | {rate(graphed(engine), total):.1f} |")
+    print(f"| copy engine | {eager_and_graph(engine, total)} |")
     for programs in (4, 8, 16, 32, 66, 132, 264):
-        fn = pulled(programs)
-        print(f"| SM copy, {programs} CTAs | {rate(fn, total):.1f} | {rate(graphed(fn), total):.1f} |")
+        print(f"| SM copy, {programs} CTAs | {eager_and_graph(pulled(programs), total)} |")
 
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
@@ -109,7 +91,7 @@ def main() -> int:
         for _ in range(12):
             a @ a
 
-    alone = 1 / rate(products, 1e9)  # seconds
+    alone = measure(GPU, products, 1, 5)[0] / 1e3  # seconds
     print("| copier beside matrix products | copy GB/s | products' time / alone |")
     print("| --- | ---: | ---: |")
     for name, fn in [("copy engine", engine)] + [(f"SM copy, {p} CTAs", pulled(p)) for p in (8, 16, 32)]:

@@ -29,27 +29,17 @@ from memory import (  # noqa: E402
     measure,
     model_cases,
     random_weights,
+    registered_unet,
     release_garbage,
     unet_inputs,
 )
-
-from engine.devices import device_name  # noqa: E402
-from engine.memory.ledger import DeviceLedger  # noqa: E402
-from engine.memory.runtime import MemoryRuntime  # noqa: E402
-from engine.models.unet import UNetModel  # noqa: E402
-from engine.placement import MemorySettings  # noqa: E402
-from engine.telemetry import EventBus  # noqa: E402
 
 
 def profile(name: str, config: object, side: int, dtype: torch.dtype, device: torch.device) -> dict:
     release_garbage(device)
     weights = random_weights(config, dtype, device)
     inputs = unet_inputs(config, side, dtype, device)
-    bus = EventBus()
-    ledger = DeviceLedger(device_name(device), 1 << 50, bus=bus)
-    runtime = MemoryRuntime(MemorySettings(), bus=bus, ledgers={ledger.device_name: ledger})
-    unet = UNetModel(config, dtype=dtype, device="meta")
-    module = runtime.register("diffusion", unet, "device", ledger.device_name, weights.__getitem__)
+    runtime, module, unet, _, _ = registered_unet(config, weights, device, "device", 1 << 50)
     stages = unet.stages()
     sizes = [stage.parameter_bytes() for stage in stages]
 

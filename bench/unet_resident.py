@@ -22,14 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from memory import _diffusers_config, model_cases, random_weights, unet_inputs  # noqa: E402
+from memory import _diffusers_config, model_cases, random_weights, registered_unet, unet_inputs  # noqa: E402
 
-from engine.devices import GIB, device_name  # noqa: E402
-from engine.memory.ledger import DeviceLedger  # noqa: E402
-from engine.memory.runtime import MemoryRuntime  # noqa: E402
+from engine.devices import GIB  # noqa: E402
 from engine.models.unet import UNetModel  # noqa: E402
-from engine.placement import MemorySettings  # noqa: E402
-from engine.telemetry import EventBus  # noqa: E402
 
 
 def timed(step, device: torch.device, warmup: int, steps: int) -> tuple[float, float, float]:
@@ -74,11 +70,7 @@ def bench_case(name, config, side, args, device, dtype) -> list[tuple]:
     added = None
     if config.adm_in_channels:
         added = {"text_embeds": y[:, :1280], "time_ids": torch.zeros(2, 6, device=device, dtype=dtype)}
-    bus = EventBus()
-    ledger = DeviceLedger(device_name(device), 1 << 50, bus=bus)
-    runtime = MemoryRuntime(MemorySettings(), bus=bus, ledgers={ledger.device_name: ledger})
-    staged = UNetModel(config, dtype=dtype, device="meta")
-    module = runtime.register("diffusion", staged, "device", ledger.device_name, weights.__getitem__)
+    runtime, module, staged, _, _ = registered_unet(config, weights, device, "device", 1 << 50)
     steps = {
         "ours, direct forward": lambda: ours(x, timesteps, context, y),
         "ours, memory runtime (resident)": lambda: runtime.run(
