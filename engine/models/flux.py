@@ -1,0 +1,527 @@
+"""The FLUX.1 transformer (Black Forest Labs 2024): a rectified-flow DiT of double- and single-stream blocks.
+
+Parameter names are the keys of BFL's released files (and ComfyUI's) without their `model.diffusion_model.`
+prefix, so a checkpoint binds directly (engine/models/weights.py); engine/models/flux_keys.py maps the
+diffusers layout onto them. The forward pass is a list of stages (engine/models/staged.py): "embed" (the
+image, timestep, pooled-text, guidance and text embedders and the RoPE table), one stage per double-stream
+block ("double_blocks.N"), one per single-stream block ("single_blocks.N"), then "final" (the last layer
+and unpatchify). The state they share holds "img" (image tokens; from the first single block on, text and
+image tokens joined), "txt" (text tokens, until joined; then "txt_len"), "vec" (the modulation vector),
+"pe" (the RoPE table, shared by the batch), and "size", "grid", "dtype" to put the latent back together;
+the final stage leaves the velocity in "h".
+
+Precision follows ComfyUI: activations run in the model's `dtype` (bf16 on a GPU); the q/k RMSNorms and
+the rotary embedding compute in float32, the rotation angles in float64. Every matrix is a plain
+nn.Linear: an fp8 file is served by the weight store binding weights it upcasts to `dtype` when it stages
+them (the model itself never sees fp8).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.staged import Stage, StagedModel, State, run_stages
+from engine.models.unet import timestep_embedding
+
+TIME_FACTOR = 1000.0  # sigma in [0, 1] -> the embedding's "timestep" (and the guidance scale likewise)
+TIME_EMBED_DIM = 256  # width of the sinusoidal embedding of timesteps and guidance
+
+
+@dataclass(frozen=True)
+class FluxConfig:
+    in_channels: int = 64  # width of an image token: 16 latent channels x 2 x 2 patch
+    out_channels: int = 64  # width of an output token (the same patchified velocity)
+    vec_in_dim: int = 768  # pooled CLIP-L text embedding
+    context_in_dim: int = 4096  # T5-XXL token width
+    hidden_size: int = 3072  # transformer width
+    mlp_ratio: float = 4.0  # MLP hidden width / hidden_size
+    num_heads: int = 24  # attention heads (head dim 128)
+    depth: int = 19  # double-stream blocks (separate image and text weights, joint attention)
+    depth_single_blocks: int = 38  # single-stream blocks (one set of weights over the joined tokens)
+    axes_dim: tuple[int, ...] = (16, 56, 56)  # RoPE dims per axis (text index, row, col); sum: head dim
+    theta: int = 10000  # RoPE base
+    qkv_bias: bool = True  # the double blocks' qkv projections have biases
+    guidance_embed: bool = True  # embeds a distilled guidance scale (dev: True, schnell: False)
+    patch_size: int = 2  # latent pixels per token side
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.hidden_size * self.mlp_ratio)
+
+    @property
+    def latent_channels(self) -> int:
+        return self.in_channels // self.patch_size**2
+
+
+def flux_dev_config() -> FluxConfig:
+    """FLUX.1 [dev]: guidance-distilled."""
+    return FluxConfig(guidance_embed=True)
+
+
+def flux_schnell_config() -> FluxConfig:
+    """FLUX.1 [schnell]: timestep-distilled, no guidance embedder."""
+    return FluxConfig(guidance_embed=False)
+
+
+def flux_axes_dim(head_dim: int) -> tuple[int, int, int]:
+    """RoPE dims (text index, row, col) for a head dim: FLUX.1's (16, 56, 56) at 128; at other head dims the
+    row and column axes each take 7/16 of it rounded down to even and the text axis the rest."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"RoPE needs an even head dim; got {head_dim}")
+    spatial = (head_dim * 7 // 16) // 2 * 2
+    return (head_dim - 2 * spatial, spatial, spatial)
+
+
+# ---------------------------------------------------------------------------------------------- layers
+
+
+def flux_timestep_embedding(t: torch.Tensor) -> torch.Tensor:
+    """(B,) sigma or guidance scale -> (B, 256) float32 sinusoidal embedding of t * 1000, cosines first."""
+    return timestep_embedding(t.float() * TIME_FACTOR, TIME_EMBED_DIM)
+
+
+def rope_table(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: int) -> torch.Tensor:
+    """(L, axes) token positions -> (L, head_dim / 2, 2) float32 (cos, sin) of each channel pair's angle.
+
+    Axis i's positions turn its axes_dim[i] / 2 channel pairs at frequencies theta^(-2j / axes_dim[i])
+    (Su et al. 2021, per axis); the angles are computed in float64 where the device has it.
+    """
+    wide = torch.float32 if ids.device.type == "mps" else torch.float64
+    angles = []
+    for axis, dim in enumerate(axes_dim):
+        omega = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=wide, device=ids.device) / dim)  # (dim / 2,)
+        angles.append(ids[:, axis].to(wide)[:, None] * omega[None])  # (L, dim / 2)
+    angle = torch.cat(angles, dim=-1)  # (L, head_dim / 2)
+    return torch.stack([angle.cos(), angle.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    """Rotate each channel pair (x0, x1) of x (B, H, L, D) by its angle in pe (L, D / 2, 2), in float32."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, H, L, D / 2, 2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = pe[..., 0], pe[..., 1]  # (L, D / 2)
+    rotated = torch.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], dim=-1)  # (B, H, L, D / 2, 2)
+    return rotated.flatten(-2).type_as(x)
+
+
+def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+    """Attention over heads-first q, k, v (B, H, L, D) with RoPE on q and k -> (B, L, H * D).
+
+    SDPA directly: engine.models.attention takes (B, L, H * D) and the heads are already split here.
+    """
+    out = F.scaled_dot_product_attention(apply_rope(q, pe), apply_rope(k, pe), v)  # (B, H, L, D)
+    return out.transpose(1, 2).flatten(2)  # (B, L, H * D)
+
+
+class MLPEmbedder(nn.Module):
+    """Linear, SiLU, Linear: embeds a timestep, guidance or pooled-text vector to the model width."""
+
+    def __init__(self, in_dim: int, hidden_dim: int, **factory):
+        super().__init__()
+        self.in_layer = nn.Linear(in_dim, hidden_dim, **factory)
+        self.out_layer = nn.Linear(hidden_dim, hidden_dim, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.silu(self.in_layer(x)))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) with statistics in float32, eps 1e-6."""
+
+    def __init__(self, dim: int, **factory):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(dim, **factory))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(torch.mean(wide * wide, dim=-1, keepdim=True) + 1e-6)
+        return normed.to(x.dtype) * self.scale.to(x.dtype)
+
+
+class QKNorm(nn.Module):
+    """Separate RMSNorms of queries and keys per head."""
+
+    def __init__(self, head_dim: int, **factory):
+        super().__init__()
+        self.query_norm = RMSNorm(head_dim, **factory)
+        self.key_norm = RMSNorm(head_dim, **factory)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_norm(q).to(v), self.key_norm(k).to(v)
+
+
+class SelfAttention(nn.Module):
+    """One stream's qkv projection, q/k norms and output projection (the attention itself is joint)."""
+
+    def __init__(self, dim: int, heads: int, qkv_bias: bool, **factory):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **factory)
+        self.norm = QKNorm(dim // heads, **factory)
+        self.proj = nn.Linear(dim, dim, **factory)
+
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, L, C) -> normed q, k and v, each (B, H, L, C / H)."""
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k = self.norm(q, k, v)
+        return q, k, v
+
+
+class Modulation(nn.Module):
+    """adaLN parameters from the vector: (shift, scale, gate) once, or twice for a double block."""
+
+    def __init__(self, dim: int, double: bool, **factory):
+        super().__init__()
+        self.count = 6 if double else 3
+        self.lin = nn.Linear(dim, self.count * dim, **factory)
+
+    def forward(self, vec: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.lin(F.silu(vec))[:, None, :].chunk(self.count, dim=-1)  # each (B, 1, C)
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (1 + scale) * x + shift
+
+
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    """Keep fp16 residuals finite, as BFL's and ComfyUI's blocks do."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def _mlp(hidden_size: int, mlp_hidden: int, **factory) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(hidden_size, mlp_hidden, **factory), nn.GELU(approximate="tanh"),
+                         nn.Linear(mlp_hidden, hidden_size, **factory))
+
+
+class DoubleStreamBlock(nn.Module):
+    """MM-DiT block (Esser et al. 2024): image and text keep their own weights and attend jointly."""
+
+    def __init__(self, config: FluxConfig, **factory):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_heads
+        self.img_mod = Modulation(hidden, double=True, **factory)
+        self.img_norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
+        self.img_attn = SelfAttention(hidden, heads, config.qkv_bias, **factory)
+        self.img_norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
+        self.img_mlp = _mlp(hidden, config.mlp_hidden, **factory)
+        self.txt_mod = Modulation(hidden, double=True, **factory)
+        self.txt_norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
+        self.txt_attn = SelfAttention(hidden, heads, config.qkv_bias, **factory)
+        self.txt_norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
+        self.txt_mlp = _mlp(hidden, config.mlp_hidden, **factory)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor,
+                pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """img (B, L, C), txt (B, T, C), vec (B, C), pe (T + L, D / 2, 2) -> new img, txt."""
+        img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
+        txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
+        img_q, img_k, img_v = self.img_attn.qkv_heads(_modulate(self.img_norm1(img), img_shift1, img_scale1))
+        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(_modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
+        attn = rope_attention(torch.cat((txt_q, img_q), dim=2), torch.cat((txt_k, img_k), dim=2),
+                              torch.cat((txt_v, img_v), dim=2), pe)  # (B, T + L, C), text first
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+
+        img = img + img_gate1 * self.img_attn.proj(img_attn)
+        img = img + img_gate2 * self.img_mlp(_modulate(self.img_norm2(img), img_shift2, img_scale2))
+        txt = txt + txt_gate1 * self.txt_attn.proj(txt_attn)
+        txt = txt + txt_gate2 * self.txt_mlp(_modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
+        return img, _clip_fp16(txt)
+
+
+class SingleStreamBlock(nn.Module):
+    """Parallel attention and MLP over the joined tokens (Dehghani et al. 2023's ViT-22B block)."""
+
+    def __init__(self, config: FluxConfig, **factory):
+        super().__init__()
+        hidden = config.hidden_size
+        self.heads = config.num_heads
+        self.mlp_hidden = config.mlp_hidden
+        self.linear1 = nn.Linear(hidden, hidden * 3 + self.mlp_hidden, **factory)  # qkv and MLP in
+        self.linear2 = nn.Linear(hidden + self.mlp_hidden, hidden, **factory)  # attention out and MLP out
+        self.norm = QKNorm(config.head_dim, **factory)
+        self.pre_norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
+        self.modulation = Modulation(hidden, double=False, **factory)
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        """x (B, T + L, C), vec (B, C), pe (T + L, D / 2, 2) -> new x."""
+        batch, length, hidden = x.shape
+        shift, scale, gate = self.modulation(vec)
+        qkv, mlp = self.linear1(_modulate(self.pre_norm(x), shift, scale)).split(
+            [3 * hidden, self.mlp_hidden], dim=-1)  # (B, T + L, 3C), (B, T + L, mlp_hidden)
+        q, k, v = qkv.view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each (B, H, T + L, D)
+        q, k = self.norm(q, k, v)
+        out = self.linear2(torch.cat((rope_attention(q, k, v, pe), F.gelu(mlp, approximate="tanh")), dim=2))
+        return _clip_fp16(x + gate * out)
+
+
+class LastLayer(nn.Module):
+    """adaLN (shift, scale) from the vector, then the projection to patchified output channels."""
+
+    def __init__(self, hidden_size: int, out_channels: int, **factory):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **factory)
+        self.linear = nn.Linear(hidden_size, out_channels, **factory)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, **factory))
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)  # each (B, C)
+        return self.linear(_modulate(self.norm_final(x), shift[:, None, :], scale[:, None, :]))
+
+
+def pad_to_patches(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """Pad (B, C, H, W) at the bottom and right to multiples of `patch`, wrapping around (circular),
+    as ComfyUI's common_dit.pad_to_patch_size does for FLUX."""
+    pad_h, pad_w = -x.shape[-2] % patch, -x.shape[-1] % patch
+    return F.pad(x, (0, pad_w, 0, pad_h), mode="circular") if pad_h or pad_w else x
+
+
+def patchify(x: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, rows * p, cols * p) -> (B, rows * cols, C * p * p), channels outermost within a token."""
+    batch, channels, height, width = x.shape
+    x = x.view(batch, channels, height // patch, patch, width // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(batch, (height // patch) * (width // patch), -1)
+
+
+def unpatchify(tokens: torch.Tensor, rows: int, cols: int, patch: int) -> torch.Tensor:
+    """(B, rows * cols, C * p * p) -> (B, C, rows * p, cols * p); the inverse of patchify."""
+    batch = tokens.shape[0]
+    x = tokens.view(batch, rows, cols, -1, patch, patch)  # (B, rows, cols, C, p, p)
+    return x.permute(0, 3, 1, 4, 2, 5).reshape(batch, -1, rows * patch, cols * patch)
+
+
+def token_positions(text_tokens: int, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """(T + rows * cols, 3) positions: text tokens all at 0, image tokens at (0, row, col)."""
+    grid = torch.zeros(rows, cols, 3, dtype=torch.float32, device=device)
+    grid[..., 1] = torch.arange(rows, dtype=torch.float32, device=device)[:, None]
+    grid[..., 2] = torch.arange(cols, dtype=torch.float32, device=device)[None, :]
+    text = torch.zeros(text_tokens, 3, dtype=torch.float32, device=device)
+    return torch.cat([text, grid.view(rows * cols, 3)])
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+class FluxTransformer(StagedModel):
+    """FLUX.1 dev/schnell; forward(x, timesteps, context, y, guidance) predicts the flow velocity."""
+
+    def __init__(self, config: FluxConfig, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        self.dtype = dtype or torch.get_default_dtype()  # compute dtype of the activations
+        factory = {"dtype": self.dtype, "device": device}
+        hidden = config.hidden_size
+        self.img_in = nn.Linear(config.in_channels, hidden, **factory)
+        self.time_in = MLPEmbedder(TIME_EMBED_DIM, hidden, **factory)
+        self.vector_in = MLPEmbedder(config.vec_in_dim, hidden, **factory)
+        self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, hidden, **factory) if config.guidance_embed else None
+        self.txt_in = nn.Linear(config.context_in_dim, hidden, **factory)
+        self.double_blocks = nn.ModuleList(DoubleStreamBlock(config, **factory) for _ in range(config.depth))
+        self.single_blocks = nn.ModuleList(SingleStreamBlock(config, **factory)
+                                           for _ in range(config.depth_single_blocks))
+        self.final_layer = LastLayer(hidden, config.out_channels, **factory)
+
+    def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
+                      guidance: torch.Tensor | None = None) -> State:
+        """The first stage's state from the latent x (B, 16, h, w), flow sigmas (B,) in [0, 1], T5 tokens
+        context (B, T, 4096), pooled CLIP-L y (B, 768) and, for dev, the guidance scale (B,)."""
+        c = self.config
+        if x.ndim != 4 or x.shape[1] != c.latent_channels:
+            raise ValueError(f"FLUX takes a latent (B, {c.latent_channels}, h, w); got {tuple(x.shape)}")
+        batch = x.shape[0]
+        expected = {"timesteps": ((batch,), timesteps), "context": ((batch, None, c.context_in_dim), context),
+                    "y": ((batch, c.vec_in_dim), y)}
+        if c.guidance_embed:
+            if guidance is None:
+                raise ValueError("FLUX with a guidance embedder (dev) needs guidance: the distilled guidance "
+                                 "scale per batch item, e.g. torch.full((B,), 3.5)")
+            expected["guidance"] = ((batch,), guidance)
+        for name, (shape, tensor) in expected.items():
+            if tensor.ndim != len(shape) or any(
+                    s is not None and s != n for s, n in zip(shape, tensor.shape, strict=True)):
+                want = ", ".join("T" if s is None else str(s) for s in shape)
+                raise ValueError(f"FLUX {name} must be ({want}) for a batch of {batch}; "
+                                 f"got {tuple(tensor.shape)}")
+        return {"x": x, "timesteps": timesteps, "context": context, "y": y,
+                "guidance": guidance if c.guidance_embed else None}
+
+    def stages(self) -> list[Stage]:
+        """The stage list, built once per model object (the cache is keyed by the object's id, so a
+        structural copy builds its own)."""
+        cached = self.__dict__.get("_stage_cache")
+        if cached is None or cached[0] != id(self):
+            cached = (id(self), self._build_stages())
+            self.__dict__["_stage_cache"] = cached
+        return list(cached[1])
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
+                guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """The velocity (B, 16, h, w) in x's dtype."""
+        return run_stages(self.stages(), self.initial_state(x, timesteps, context, y, guidance))["h"]
+
+    def _build_stages(self) -> list[Stage]:
+        embedders = [self.img_in, self.time_in, self.vector_in, self.txt_in]
+        if self.guidance_in is not None:
+            embedders.insert(3, self.guidance_in)
+        stages = [Stage("embed", tuple(embedders), self._embed)]
+        stages += [Stage(f"double_blocks.{i}", (block,), _double_runner(block))
+                   for i, block in enumerate(self.double_blocks)]
+        stages += [Stage(f"single_blocks.{i}", (block,), _single_runner(block, joins_streams=i == 0))
+                   for i, block in enumerate(self.single_blocks)]
+        joined = len(self.single_blocks) > 0
+        stages.append(Stage("final", (self.final_layer,), self._final_runner(joined)))
+        return stages
+
+    def _embed(self, state: State) -> State:
+        c = self.config
+        x = state.pop("x")
+        state["size"], state["dtype"] = tuple(x.shape[-2:]), x.dtype
+        x = pad_to_patches(x.to(self.dtype), c.patch_size)
+        rows, cols = x.shape[-2] // c.patch_size, x.shape[-1] // c.patch_size
+        state["grid"] = (rows, cols)
+        state["img"] = self.img_in(patchify(x, c.patch_size))  # (B, rows * cols, C)
+        vec = self.time_in(flux_timestep_embedding(state.pop("timesteps")).to(self.dtype))  # (B, C)
+        guidance = state.pop("guidance")
+        if self.guidance_in is not None:
+            vec = vec + self.guidance_in(flux_timestep_embedding(guidance).to(self.dtype))
+        state["vec"] = vec + self.vector_in(state.pop("y").to(self.dtype))
+        context = state.pop("context")
+        state["txt"] = self.txt_in(context.to(self.dtype))  # (B, T, C)
+        positions = token_positions(context.shape[1], rows, cols, x.device)  # (T + rows * cols, 3)
+        state["pe"] = rope_table(positions, c.axes_dim, c.theta)  # (T + rows * cols, D / 2, 2)
+        return state
+
+    def _final_runner(self, joined: bool) -> Callable[[State], State]:
+        final_layer, patch = self.final_layer, self.config.patch_size
+
+        def run(state: State) -> State:
+            img = state.pop("img")
+            if joined:
+                img = img[:, state.pop("txt_len") :]  # (B, rows * cols, C): drop the text tokens
+            else:
+                state.pop("txt")
+            del state["pe"]
+            rows, cols = state.pop("grid")
+            height, width = state.pop("size")
+            out = unpatchify(final_layer(img, state.pop("vec")), rows, cols, patch)  # (B, 16, 2 rows, 2 cols)
+            state["h"] = out[:, :, :height, :width].to(state.pop("dtype"))
+            return state
+        return run
+
+
+def _double_runner(block: DoubleStreamBlock) -> Callable[[State], State]:
+    def run(state: State) -> State:
+        state["img"], state["txt"] = block(state["img"], state["txt"], state["vec"], state["pe"])
+        return state
+    return run
+
+
+def _single_runner(block: SingleStreamBlock, joins_streams: bool) -> Callable[[State], State]:
+    """A single block's stage; the first one joins the text and image tokens (text first)."""
+    def run(state: State) -> State:
+        if joins_streams:
+            txt = state.pop("txt")
+            state["txt_len"] = txt.shape[1]
+            state["img"] = torch.cat((txt, state["img"]), dim=1)  # (B, T + L, C)
+        state["img"] = block(state["img"], state["vec"], state["pe"])
+        return state
+    return run
+
+
+def _check_config(config: FluxConfig) -> None:
+    if config.hidden_size % config.num_heads:
+        raise ValueError(f"FLUX hidden_size {config.hidden_size} is not divisible by "
+                         f"num_heads {config.num_heads}")
+    if sum(config.axes_dim) != config.head_dim or any(d % 2 for d in config.axes_dim):
+        raise ValueError(f"FLUX axes_dim {tuple(config.axes_dim)} must be even dims summing to the head "
+                         f"dim {config.head_dim} (hidden_size {config.hidden_size} / num_heads "
+                         f"{config.num_heads})")
+    if config.in_channels % config.patch_size**2 or config.out_channels != config.in_channels:
+        raise ValueError(f"FLUX in_channels {config.in_channels} must be latent channels x patch_size^2 "
+                         f"({config.patch_size}^2) and equal out_channels ({config.out_channels})")
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+def flux_config_from_shapes(shapes: Mapping[str, tuple[int, ...]], prefix: str = "") -> FluxConfig:
+    """The FluxConfig of a BFL-layout file from its tensor shapes (keys under `prefix`).
+
+    Widths come from img_in, txt_in, vector_in, final_layer and the first block's MLP; the depths from
+    counting the blocks; guidance_embed and qkv_bias from the presence of guidance_in and qkv biases. The
+    head dim is the length of the q/k RMSNorm scales, so num_heads = hidden_size / head dim; axes_dim is
+    FLUX.1's (16, 56, 56) at head dim 128 and flux_axes_dim's rule elsewhere. Theta and patch size are
+    FLUX.1's (shapes cannot tell them). Every tensor the config implies must be present with its shape.
+    """
+    where = f" under prefix {prefix!r}" if prefix else ""
+
+    def shape(name: str) -> tuple[int, ...]:
+        if prefix + name not in shapes:
+            found = ", ".join(sorted(shapes)[:3]) or "nothing"
+            raise ValueError(f"a FLUX file needs {prefix + name!r}{where}; found {found}, ...")
+        return tuple(shapes[prefix + name])
+
+    hidden, in_channels = shape("img_in.weight")
+    context_in_dim = shape("txt_in.weight")[1]
+    vec_in_dim = shape("vector_in.in_layer.weight")[1]
+    depth = _block_count(shapes, prefix, "double_blocks")
+    depth_single = _block_count(shapes, prefix, "single_blocks")
+    if depth:
+        mlp_hidden = shape("double_blocks.0.img_mlp.0.weight")[0]
+        head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale")[0]
+    elif depth_single:
+        mlp_hidden = shape("single_blocks.0.linear1.weight")[0] - 3 * hidden
+        head_dim = shape("single_blocks.0.norm.query_norm.scale")[0]
+    else:
+        raise ValueError(f"a FLUX file needs double_blocks.N and single_blocks.N tensors{where}; found none")
+    if hidden % head_dim:
+        raise ValueError(f"FLUX hidden size {hidden} (img_in) is not a multiple of the head dim {head_dim} "
+                         f"(the q/k norm scales){where}")
+    config = FluxConfig(
+        in_channels=in_channels, out_channels=shape("final_layer.linear.weight")[0], vec_in_dim=vec_in_dim,
+        context_in_dim=context_in_dim, hidden_size=hidden, mlp_ratio=mlp_hidden / hidden,
+        num_heads=hidden // head_dim, depth=depth, depth_single_blocks=depth_single,
+        axes_dim=flux_axes_dim(head_dim), qkv_bias=prefix + "double_blocks.0.img_attn.qkv.bias" in shapes,
+        guidance_embed=prefix + "guidance_in.in_layer.weight" in shapes)
+    _check_shapes(config, shapes, prefix)
+    return config
+
+
+def _block_count(shapes: Mapping[str, tuple[int, ...]], prefix: str, root: str) -> int:
+    """How many blocks `root`.N there are; the indices must run from 0 without a gap."""
+    pattern = re.compile(re.escape(f"{prefix}{root}.") + r"(\d+)\.")
+    indices = {int(m.group(1)) for key in shapes if (m := pattern.match(key))}
+    missing = sorted(set(range(max(indices, default=-1) + 1)) - indices)
+    if missing:
+        raise ValueError(f"a FLUX file numbers its {root} 0..{max(indices)} without gaps; "
+                         f"block {prefix}{root}.{missing[0]} is missing"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return len(indices)
+
+
+def _check_shapes(config: FluxConfig, shapes: Mapping[str, tuple[int, ...]], prefix: str) -> None:
+    """Every parameter of the model the config describes must be in `shapes` with its shape."""
+    expected = {name: tuple(p.shape) for name, p in FluxTransformer(config, device="meta").named_parameters()}
+    problems = []
+    for name, want in expected.items():
+        if prefix + name not in shapes:
+            problems.append(f"{prefix + name} is missing")
+        elif tuple(shapes[prefix + name]) != want:
+            problems.append(f"{prefix + name} has shape {tuple(shapes[prefix + name])}, expected {want}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise ValueError(f"not a complete FLUX transformer (hidden {config.hidden_size}, {config.depth} "
+                         f"double and {config.depth_single_blocks} single blocks): "
+                         f"{'; '.join(problems[:3])}{more}")
