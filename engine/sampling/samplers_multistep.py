@@ -8,6 +8,7 @@ import math
 import numpy as np
 import torch
 
+from .flow import refuse_on_flow
 from .noise import NoiseSampler, default_noise_sampler
 from .samplers import Callback, ancestral_split, to_d
 
@@ -169,6 +170,7 @@ def sample_dpmpp_2m(model, x, sigmas, extra_args=None, callback: Callback = None
 @torch.no_grad()
 def sample_dpmpp_2m_v2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
     """DPM-Solver++(2M) v2 of AUTOMATIC1111 discussion 8457, as stable-diffusion.cpp's dpm++2mv2."""
+    refuse_on_flow("dpm++2mv2", model)
     extra_args = {} if extra_args is None else extra_args
     s_in = x.new_ones([x.shape[0]])
     old_denoised = None
