@@ -107,14 +107,14 @@ class VPrediction(EpsPrediction):
         return c_skip * x + c_out * model_output
 
 
-class FlowMatching:
-    """Rectified flow (Esser et al. 2024): x = (1 - t) x0 + t noise, sigma = shift-warped t, out = v."""
+class RectifiedFlow:
+    """Rectified-flow parametrisation (ComfyUI's CONST): x = (1 - sigma) x0 + sigma noise, output = velocity.
 
-    def __init__(self, shift: float = 1.0, multiplier: float = 1000.0, timesteps: int = 1000):
-        if shift <= 0:
-            raise ValueError(f"flow shift must be > 0; got {shift}")
-        self.shift, self.multiplier = shift, multiplier
-        self.sigmas = self.t_to_sigma(torch.arange(1, timesteps + 1, dtype=torch.float32))
+    Sigmas live in [0, 1]; the data scale at sigma is alpha = 1 - sigma. Subclasses set the table
+    `sigmas` (ascending, last 1.0) and the maps `t_to_sigma` / `sigma_to_t` / `timestep`.
+    """
+
+    sigmas: torch.Tensor
 
     @property
     def sigma_min(self) -> torch.Tensor:
@@ -124,16 +124,17 @@ class FlowMatching:
     def sigma_max(self) -> torch.Tensor:
         return self.sigmas[-1]
 
-    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
-        t = torch.as_tensor(t, dtype=torch.float32) / self.multiplier
-        return self.shift * t / (1 + (self.shift - 1) * t)
+    def percent_to_sigma(self, percent: float) -> float:
+        """Sigma at a fraction of the way through sampling (1.0 at 0, 0.0 at 1), as ComfyUI."""
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        return float(self.shift_time(torch.tensor(1.0 - percent, dtype=torch.float64)))
 
-    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
-        sigma = torch.as_tensor(sigma, dtype=torch.float32)
-        return sigma / (self.shift - (self.shift - 1) * sigma) * self.multiplier
-
-    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(sigma, dtype=torch.float32) * self.multiplier
+    def shift_time(self, t: torch.Tensor) -> torch.Tensor:
+        """The shift warp from flow time t in [0, 1] to sigma."""
+        raise NotImplementedError
 
     def calculate_input(self, sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -144,6 +145,7 @@ class FlowMatching:
 
     def noise_scaling(self, sigma: torch.Tensor, noise: torch.Tensor, latent: torch.Tensor,
                       max_denoise: bool = False) -> torch.Tensor:
+        """Noise the latent to level sigma; at sigma 1 (full denoise) this is the noise itself."""
         sigma = _expand(sigma, noise)
         return sigma * noise + (1.0 - sigma) * latent
 
@@ -151,7 +153,77 @@ class FlowMatching:
         return latent / (1.0 - _expand(sigma, latent))
 
 
-ModelSampling = EpsPrediction | VPrediction | FlowMatching
+class FlowMatching(RectifiedFlow):
+    """SD3-style rectified flow (Esser et al. 2024), ComfyUI's ModelSamplingDiscreteFlow.
+
+    sigma(t) = shift * s / (1 + (shift - 1) * s) with s = t / multiplier; the network sees
+    timestep = sigma * multiplier. The table holds sigma at s = 1/timesteps .. 1.
+    """
+
+    def __init__(self, shift: float = 1.0, multiplier: float = 1000.0, timesteps: int = 1000):
+        if shift <= 0:
+            raise ValueError(f"flow shift must be > 0; got {shift}")
+        if timesteps < 2:
+            raise ValueError(f"flow timesteps must be >= 2; got {timesteps}")
+        self.shift, self.multiplier = shift, multiplier
+        self.sigmas = self.t_to_sigma(torch.arange(1, timesteps + 1) / timesteps * multiplier)  # (T,)
+
+    def shift_time(self, t: torch.Tensor) -> torch.Tensor:
+        return self.shift * t / (1 + (self.shift - 1) * t)
+
+    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
+        return self.shift_time(torch.as_tensor(t, dtype=torch.float32) / self.multiplier)
+
+    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+        """Inverse of t_to_sigma, in the network's timestep units."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32)
+        return sigma / (self.shift - (self.shift - 1) * sigma) * self.multiplier
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(sigma, dtype=torch.float32) * self.multiplier
+
+
+class FluxFlowMatching(RectifiedFlow):
+    """FLUX.1-dev's rectified flow, ComfyUI's ModelSamplingFlux (Black Forest Labs 2024).
+
+    sigma(t) = e^shift / (e^shift + (1 / t - 1)) for t in (0, 1]; the network is fed timestep = sigma
+    (FLUX scales it by 1000 itself). The table holds sigma at t = 1/timesteps .. 1; sigma_max is 1.0.
+    """
+
+    def __init__(self, shift: float = 1.15, timesteps: int = 10000):
+        if timesteps < 2:
+            raise ValueError(f"flow timesteps must be >= 2; got {timesteps}")
+        self.shift = shift
+        self.sigmas = self.t_to_sigma(torch.arange(1, timesteps + 1) / timesteps)  # (T,)
+
+    def shift_time(self, t: torch.Tensor) -> torch.Tensor:
+        return math.exp(self.shift) / (math.exp(self.shift) + (1 / t - 1))
+
+    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
+        return self.shift_time(torch.as_tensor(t, dtype=torch.float32))
+
+    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+        """Inverse of t_to_sigma: t = sigma / (sigma + e^shift (1 - sigma))."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32)
+        return sigma / (sigma + math.exp(self.shift) * (1 - sigma))
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(sigma, dtype=torch.float32)
+
+
+def flux_shift_for(width: int, height: int, base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """FLUX's resolution-dependent shift (ComfyUI's ModelSamplingFlux node, diffusers' calculate_shift).
+
+    Linear in the image's token count, width * height / (8 * 8 * 2 * 2) for pixel sizes (VAE /8, 2x2
+    patches): base_shift at 256 tokens (256 x 256 pixels), max_shift at 4096 tokens (1024 x 1024).
+    """
+    if width <= 0 or height <= 0:
+        raise ValueError(f"image size must be positive pixels; got {width} x {height}")
+    slope = (max_shift - base_shift) / (4096 - 256)
+    return width * height / (8 * 8 * 2 * 2) * slope + base_shift - slope * 256
+
+
+ModelSampling = EpsPrediction | VPrediction | FlowMatching | FluxFlowMatching
 
 UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None) -> model output
 

@@ -4,7 +4,7 @@
 `callback({"x", "i", "sigma", "sigma_hat", "denoised"})` once per step. Ancestral and stochastic ones
 draw noise from `noise_sampler(sigma, sigma_next)` (see noise.py); without one they use an unseeded
 Gaussian sampler. Multistep and SDE samplers live in samplers_multistep.py and samplers_sde.py; the
-name registry in registry.py.
+name registry in registry.py. How each one serves rectified-flow models (FLUX, SD3) is in flow.py.
 """
 
 import math
@@ -12,6 +12,13 @@ from collections.abc import Callable
 
 import torch
 
+from .flow import (
+    flow_ancestral_step,
+    is_flow,
+    refuse_on_flow,
+    refuse_option_on_flow,
+    run_in_ve_coordinates,
+)
 from .noise import NoiseSampler, default_noise_sampler
 
 Callback = Callable[[dict], None] | None
@@ -38,6 +45,28 @@ def get_ancestral_step(sigma_from: torch.Tensor, sigma_to: torch.Tensor,
     return sigma_down, sigma_up
 
 
+def ancestral_split(model, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                    eta: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sigma_down, rescale, sigma_up): step to sigma_down, then x = rescale * x + sigma_up * noise.
+
+    k-diffusion's split (rescale 1) for VE models, the rectified-flow one for flow models (flow.py).
+    """
+    if is_flow(model):
+        return flow_ancestral_step(sigma, sigma_next, eta)
+    sigma_down, sigma_up = get_ancestral_step(sigma, sigma_next, eta)
+    return sigma_down, torch.ones_like(torch.as_tensor(sigma_next)), sigma_up
+
+
+def _midpoint_sigma(model, sigma: torch.Tensor, sigma_down: torch.Tensor) -> torch.Tensor:
+    """DPM-Solver++(2S)'s stage sigma: halfway in -log sigma (VE) or in log((1 - s) / s) (flow, ComfyUI)."""
+    if not is_flow(model):
+        return (sigma * sigma_down) ** 0.5
+    if sigma == 1.0:
+        return torch.full_like(sigma, 0.9999)  # log-SNR is -inf at pure noise; ComfyUI's stand-in
+    half_log_snr = ((1 - sigma) / sigma).log().lerp(((1 - sigma_down) / sigma_down).log(), 0.5)
+    return 1 / (half_log_snr.exp() + 1)
+
+
 def _churn(x, sigma, n_steps, s_churn, s_tmin, s_tmax, s_noise, noise_sampler):
     """Karras et al. (2022) Algorithm 2 lines 4-6: raise sigma by gamma and add matching noise."""
     gamma = min(s_churn / n_steps, 2 ** 0.5 - 1) if s_churn > 0 and s_tmin <= sigma <= s_tmax else 0.0
@@ -59,6 +88,7 @@ def _uncond_source(model) -> Callable[[torch.Tensor], torch.Tensor]:
 def sample_euler(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_churn=0.0,
                  s_tmin=0.0, s_tmax=float("inf"), s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """Euler steps, Algorithm 2 of Karras et al. (2022) (with optional churn)."""
+    refuse_option_on_flow(model, "euler", "s_churn", s_churn)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -74,18 +104,18 @@ def sample_euler(model, x, sigmas, extra_args=None, callback: Callback = None, d
 @torch.no_grad()
 def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                            eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
-    """Ancestral sampling with Euler steps (k-diffusion; Song et al. 2021 ancestral noise)."""
+    """Ancestral sampling with Euler steps (k-diffusion; Song et al. 2021); the RF split on flow models."""
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta=eta)
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         x = x + to_d(x, sigmas[i], denoised) * (sigma_down - sigmas[i])
         if sigmas[i + 1] > 0:
-            x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
     return x
 
 
@@ -93,6 +123,7 @@ def sample_euler_ancestral(model, x, sigmas, extra_args=None, callback: Callback
 def sample_heun(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_churn=0.0,
                 s_tmin=0.0, s_tmax=float("inf"), s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """Heun's second-order method, Algorithm 2 of Karras et al. (2022)."""
+    refuse_option_on_flow(model, "heun", "s_churn", s_churn)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -116,6 +147,7 @@ def sample_heun(model, x, sigmas, extra_args=None, callback: Callback = None, di
 def sample_heunpp2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_churn=0.0,
                    s_tmin=0.0, s_tmax=float("inf"), s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """Heun++ (ComfyUI heunpp2): Heun with a third evaluation, weights proportional to sigma."""
+    refuse_option_on_flow(model, "heunpp2", "s_churn", s_churn)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -147,6 +179,7 @@ def sample_heunpp2(model, x, sigmas, extra_args=None, callback: Callback = None,
 def sample_dpm_2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_churn=0.0,
                  s_tmin=0.0, s_tmax=float("inf"), s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """DPM-Solver-2 (Lu et al. 2022) midpoint in log sigma, in the Karras et al. (2022) framework."""
+    refuse_option_on_flow(model, "dpm2", "s_churn", s_churn)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -169,13 +202,13 @@ def sample_dpm_2(model, x, sigmas, extra_args=None, callback: Callback = None, d
 @torch.no_grad()
 def sample_dpm_2_ancestral(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                            eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
-    """Ancestral sampling with DPM-Solver-2 steps (Lu et al. 2022; k-diffusion)."""
+    """Ancestral sampling with DPM-Solver-2 steps (Lu et al. 2022; k-diffusion); RF split on flow."""
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta=eta)
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         d = to_d(x, sigmas[i], denoised)
@@ -186,39 +219,39 @@ def sample_dpm_2_ancestral(model, x, sigmas, extra_args=None, callback: Callback
             x_2 = x + d * (sigma_mid - sigmas[i])
             d_2 = to_d(x_2, sigma_mid, model(x_2, sigma_mid * s_in, **extra_args))
             x = x + d_2 * (sigma_down - sigmas[i])
-            x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
     return x
 
 
 @torch.no_grad()
 def sample_dpmpp_2s_ancestral(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                               eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
-    """Ancestral sampling with DPM-Solver++(2S) steps (Lu et al. 2022b, Algorithm 1)."""
+    """Ancestral sampling with DPM-Solver++(2S) steps (Lu et al. 2022b, Algorithm 1); RF split on flow."""
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta=eta)
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         if sigma_down == 0:
             x = denoised
-        else:
-            t, t_next = -sigmas[i].log(), -sigma_down.log()  # t = -log sigma
-            h = t_next - t
-            sigma_s = (-(t + h / 2)).exp()
-            x_2 = (sigma_s / sigmas[i]) * x - torch.expm1(-h / 2) * denoised
+        else:  # data-prediction steps x_s = (s / sigma) x + (1 - s / sigma) x0 to the stage, then sigma_down
+            sigma_s = _midpoint_sigma(model, sigmas[i], sigma_down)
+            x_2 = (sigma_s / sigmas[i]) * x + (1 - sigma_s / sigmas[i]) * denoised
             denoised_2 = model(x_2, sigma_s * s_in, **extra_args)
-            x = (sigma_down / sigmas[i]) * x - torch.expm1(-h) * denoised_2
+            x = (sigma_down / sigmas[i]) * x + (1 - sigma_down / sigmas[i]) * denoised_2
         if sigmas[i + 1] > 0:
-            x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
     return x
 
 
 @torch.no_grad()
 def sample_euler_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
     """Euler with CFG++ (Chung et al. 2024): renoise along the unconditional prediction."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_euler_cfg_pp, model, x, sigmas, extra_args, callback, disable)
     extra_args = {} if extra_args is None else extra_args
     uncond_of = _uncond_source(model)
     s_in = x.new_ones([x.shape[0]])
@@ -234,6 +267,9 @@ def sample_euler_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = 
 def sample_euler_ancestral_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                                   eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """Ancestral Euler with CFG++ (Chung et al. 2024)."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_euler_ancestral_cfg_pp, model, x, sigmas, extra_args, callback,
+                                     disable, eta=eta, s_noise=s_noise, noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     uncond_of = _uncond_source(model)
@@ -296,6 +332,9 @@ def sample_lcm(model, x, sigmas, extra_args=None, callback: Callback = None, dis
 def sample_ddpm(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                 noise_sampler: NoiseSampler | None = None):
     """DDPM ancestral sampling (Ho et al. 2020, Algorithm 2) on k-diffusion sigmas."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_ddpm, model, x, sigmas, extra_args, callback, disable,
+                                     noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -320,6 +359,9 @@ def sample_ddpm(model, x, sigmas, extra_args=None, callback: Callback = None, di
 def sample_ddim(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=0.0,
                 noise_sampler: NoiseSampler | None = None):
     """DDIM (Song et al. 2021, eq. 12) on k-diffusion sigmas; trailing spacing comes from the schedule."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_ddim, model, x, sigmas, extra_args, callback, disable, eta=eta,
+                                     noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -341,6 +383,7 @@ def sample_ddim(model, x, sigmas, extra_args=None, callback: Callback = None, di
 def sample_tcd(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=0.3,
                noise_sampler: NoiseSampler | None = None):
     """Strategic stochastic sampling of TCD (Zheng et al. 2024, Algorithm 4); eta is their gamma."""
+    refuse_on_flow("tcd", model)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     model_sampling = getattr(model, "model_sampling", None)
@@ -377,7 +420,7 @@ def sample_res_2s(model, x, sigmas, extra_args=None, callback: Callback = None, 
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta=eta)
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         if sigma_down == 0:
@@ -390,5 +433,5 @@ def sample_res_2s(model, x, sigmas, extra_args=None, callback: Callback = None, 
             b1 = _phi1(-h) - b2
             x = x + h * (b1 * (denoised - x) + b2 * (denoised_2 - x))
         if sigmas[i + 1] > 0 and sigma_up > 0:
-            x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
     return x

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .flow import refuse_option_on_flow
 from .noise import NoiseSampler, default_noise_sampler
 from .samplers import Callback, get_ancestral_step
 
@@ -72,6 +73,7 @@ def _sigma_range(sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sample_dpm_fast(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=0.0,
                     s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """DPM-Solver-fast: orders 3,3,...,2,1 with uniform log-sigma steps, len(sigmas) - 1 evaluations."""
+    refuse_option_on_flow(model, "dpm_fast", "eta", eta)
     if len(sigmas) <= 1:
         return x
     extra_args = {} if extra_args is None else extra_args

@@ -8,8 +8,9 @@ import math
 import numpy as np
 import torch
 
+from .flow import refuse_on_flow
 from .noise import NoiseSampler, default_noise_sampler
-from .samplers import Callback, get_ancestral_step, to_d
+from .samplers import Callback, ancestral_split, to_d
 
 _GAUSS_NODES, _GAUSS_WEIGHTS = np.polynomial.legendre.leggauss(16)
 
@@ -169,6 +170,7 @@ def sample_dpmpp_2m(model, x, sigmas, extra_args=None, callback: Callback = None
 @torch.no_grad()
 def sample_dpmpp_2m_v2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
     """DPM-Solver++(2M) v2 of AUTOMATIC1111 discussion 8457, as stable-diffusion.cpp's dpm++2mv2."""
+    refuse_on_flow("dpm++2mv2", model)
     extra_args = {} if extra_args is None else extra_args
     s_in = x.new_ones([x.shape[0]])
     old_denoised = None
@@ -199,7 +201,7 @@ def sample_res_multistep(model, x, sigmas, extra_args=None, callback: Callback =
     old_denoised, old_sigma_down = None, None
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        sigma_down, sigma_up = get_ancestral_step(sigmas[i], sigmas[i + 1], eta=eta)
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         if sigma_down == 0 or old_denoised is None:
@@ -212,7 +214,7 @@ def sample_res_multistep(model, x, sigmas, extra_args=None, callback: Callback =
             b1, b2 = torch.nan_to_num(phi1 - phi2 / c2), torch.nan_to_num(phi2 / c2)
             x = (-h).exp() * x + h * (b1 * denoised + b2 * old_denoised)
         if sigmas[i + 1] > 0 and sigma_up > 0:
-            x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
         old_denoised, old_sigma_down = denoised, sigma_down
     return x
 
@@ -220,7 +222,7 @@ def sample_res_multistep(model, x, sigmas, extra_args=None, callback: Callback =
 @torch.no_grad()
 def sample_res_multistep_ancestral(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
                                    eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
-    """RES multistep with ancestral noise (ComfyUI res_multistep_ancestral)."""
+    """RES multistep with ancestral noise (ComfyUI res_multistep_ancestral); the RF split on flow models."""
     return sample_res_multistep(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler)
 
 

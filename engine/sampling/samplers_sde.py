@@ -2,10 +2,12 @@
 
 ComfyUI drives these with a torchsde Brownian tree; here the seeded Gaussian `noise_sampler` of
 noise.py supplies independent increments per step (same law, different draws; see noise.py).
+On rectified-flow models they run in VE coordinates (flow.py), ComfyUI's half-log-SNR form.
 """
 
 import torch
 
+from .flow import is_flow, run_in_ve_coordinates
 from .noise import NoiseSampler, default_noise_sampler
 from .samplers import Callback, get_ancestral_step
 
@@ -14,6 +16,9 @@ from .samplers import Callback, get_ancestral_step
 def sample_dpmpp_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
                      s_noise=1.0, noise_sampler: NoiseSampler | None = None, r=1 / 2):
     """DPM-Solver++ (stochastic), the two-stage SDE variant of k-diffusion (Lu et al. 2022b)."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_dpmpp_sde, model, x, sigmas, extra_args, callback, disable,
+                                     eta=eta, s_noise=s_noise, noise_sampler=noise_sampler, r=r)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -45,6 +50,10 @@ def sample_dpmpp_2m_sde(model, x, sigmas, extra_args=None, callback: Callback = 
     """DPM-Solver++(2M) SDE (Lu et al. 2022b), midpoint or heun second-order correction."""
     if solver_type not in {"heun", "midpoint"}:
         raise ValueError(f"solver_type must be 'heun' or 'midpoint'; got '{solver_type}'")
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_dpmpp_2m_sde, model, x, sigmas, extra_args, callback, disable,
+                                     eta=eta, s_noise=s_noise, noise_sampler=noise_sampler,
+                                     solver_type=solver_type)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -85,6 +94,9 @@ def sample_dpmpp_2m_sde_heun(model, x, sigmas, extra_args=None, callback: Callba
 def sample_dpmpp_3m_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
                         s_noise=1.0, noise_sampler: NoiseSampler | None = None):
     """DPM-Solver++(3M) SDE (Lu et al. 2022b; k-diffusion's third-order multistep SDE)."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_dpmpp_3m_sde, model, x, sigmas, extra_args, callback, disable,
+                                     eta=eta, s_noise=s_noise, noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
@@ -125,6 +137,9 @@ def _er_sde_noise_scaler(x: torch.Tensor) -> torch.Tensor:
 def sample_er_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, s_noise=1.0,
                   noise_sampler: NoiseSampler | None = None, max_stage=3):
     """Extended reverse-time SDE solver, up to third order (Cui et al. 2023, arXiv:2309.06169)."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_er_sde, model, x, sigmas, extra_args, callback, disable,
+                                     s_noise=s_noise, noise_sampler=noise_sampler, max_stage=max_stage)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])

@@ -3,6 +3,14 @@
 Definitions follow ComfyUI's comfy/samplers.py and k-diffusion's sampling.py for the names they share,
 stable-diffusion.cpp's denoiser.hpp for `smoothstep` and `lcm`. Every function returns a float32 tensor
 of `steps + 1` sigmas (fewer only where the definition itself merges duplicate timesteps: `beta`).
+
+On rectified-flow models (FLUX, SD3: sigmas in [0, 1]) each scheduler ComfyUI has returns what
+ComfyUI's does for the same model sampling; `smoothstep` and `lcm` pick table entries by index. Worth
+knowing: `normal` / `sgm_uniform` space the network's timesteps, which for FLUX (timestep = sigma) means
+the shift warps an already shifted range (ComfyUI's behaviour, not diffusers' FluxPipeline), while
+`simple` picks table entries at t = 1 - i / steps, exactly FluxPipeline's schedule when `steps` divides
+the table length. `ays`, `ays_sdxl` and `gits` hold published SD1/SDXL noise levels (up to 14.6) and
+refuse flow models.
 """
 
 import math
@@ -10,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .model_sampling import ModelSampling
+from .model_sampling import ModelSampling, RectifiedFlow
 from .schedule_tables import GITS_NOISE_LEVELS_1_20
 
 Scheduler = Callable[..., torch.Tensor]  # fn(model_sampling, steps, **options) -> sigmas (steps + 1,)
@@ -18,6 +26,18 @@ Scheduler = Callable[..., torch.Tensor]  # fn(model_sampling, steps, **options) 
 
 def _append_zero(sigmas: torch.Tensor) -> torch.Tensor:
     return torch.cat([sigmas.float(), sigmas.new_zeros([1]).float()])
+
+
+def _table_sigmas(model_sampling: ModelSampling, indices: torch.Tensor) -> torch.Tensor:
+    """The model's table sigmas at integer indices (0 = lowest noise), for any kind of model."""
+    return model_sampling.sigmas[indices.long()].float()
+
+
+def _refuse_flow(name: str, model_sampling: ModelSampling) -> None:
+    if isinstance(model_sampling, RectifiedFlow):
+        raise ValueError(f"scheduler '{name}' holds published SD1/SDXL noise levels (sigma up to 14.6), "
+                         f"not levels for a rectified-flow model (sigmas in [0, 1]); use simple, normal, "
+                         f"beta, sgm_uniform or another scheduler")
 
 
 def karras_sigmas(steps: int, sigma_min: float, sigma_max: float, rho: float = 7.0) -> torch.Tensor:
@@ -70,11 +90,10 @@ def simple(model_sampling: ModelSampling, steps: int) -> torch.Tensor:
 def ddim_uniform(model_sampling: ModelSampling, steps: int) -> torch.Tensor:
     """DDIM's uniform timestep spacing from the table (ComfyUI ddim_scheduler)."""
     table = model_sampling.sigmas
-    stride = max(len(table) // steps, 1)
+    ends_at_zero = math.isclose(float(table[1]), 0, abs_tol=1e-5)  # then the table's own ~0 ends it
+    stride = max(len(table) // (steps + 1 if ends_at_zero else steps), 1)
     picked = [float(table[x]) for x in range(1, len(table), stride)]
-    if math.isclose(float(table[1]), 0, abs_tol=1e-5):
-        return torch.tensor(picked[::-1], dtype=torch.float32)
-    return torch.tensor(([0.0] + picked)[::-1], dtype=torch.float32)
+    return torch.tensor((picked if ends_at_zero else [0.0] + picked)[::-1], dtype=torch.float32)
 
 
 def _regularized_incomplete_beta(x: float, a: float, b: float) -> float:
@@ -152,14 +171,14 @@ def smoothstep(model_sampling: ModelSampling, steps: int) -> torch.Tensor:
     t_max = len(model_sampling.sigmas) - 1
     u = 1.0 - torch.arange(steps, dtype=torch.float64) / steps
     timesteps = torch.round(u * u * (3.0 - 2.0 * u) * t_max)
-    return _append_zero(model_sampling.t_to_sigma(timesteps))
+    return _append_zero(_table_sigmas(model_sampling, timesteps))
 
 
 def lcm(model_sampling: ModelSampling, steps: int, original_steps: int = 50) -> torch.Tensor:
     """LCM's skipping-step timesteps (Luo et al. 2023) on a 50-step grid, as stable-diffusion.cpp."""
     stride = len(model_sampling.sigmas) // original_steps
     timesteps = [(original_steps - (i * original_steps) // steps) * stride - 1 for i in range(steps)]
-    return _append_zero(model_sampling.t_to_sigma(torch.tensor(timesteps, dtype=torch.float32)))
+    return _append_zero(_table_sigmas(model_sampling, torch.tensor(timesteps)))
 
 
 def loglinear_interp(sigmas: Sequence[float], num: int) -> torch.Tensor:
@@ -183,6 +202,7 @@ AYS_NOISE_LEVELS = {
 
 def ays(model_sampling: ModelSampling, steps: int, family: str = "sd1") -> torch.Tensor:
     """Align Your Steps (Sabour et al. 2024): the published levels, log-linearly resampled to `steps`."""
+    _refuse_flow("ays", model_sampling)
     if family not in AYS_NOISE_LEVELS:
         raise ValueError(f"no Align Your Steps levels for model family '{family}'; accepted: "
                          f"{', '.join(AYS_NOISE_LEVELS)}")
@@ -200,6 +220,7 @@ def ays_sdxl(model_sampling: ModelSampling, steps: int) -> torch.Tensor:
 
 def gits(model_sampling: ModelSampling, steps: int) -> torch.Tensor:
     """GITS (Chen et al. 2024) searched SD1.5 sigmas for coeff 1.20, log-linear beyond 20 steps."""
+    _refuse_flow("gits", model_sampling)
     if steps < 2:
         raise ValueError(f"the gits scheduler needs at least 2 steps; got {steps}")
     if steps <= 20:
