@@ -149,16 +149,26 @@ def random_weights(config: UNetConfig, dtype: torch.dtype, device: torch.device)
     """Random weights in RAM (pinned once when the compute device is CUDA): matrices and kernels with
     standard deviation 1/sqrt(fan_in), norm scales 1 and biases 0, so activations stay of order one (tiny
     activations would run on denormal floats, which are very slow on a CPU)."""
+    return random_model_weights(UNetModel(config, dtype=dtype, device="meta"), dtype, device)
+
+
+def random_model_weights(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                         ) -> dict[str, torch.Tensor]:
+    """`random_weights` for any model built on the meta device."""
     generator = torch.Generator(device).manual_seed(0)  # drawn on the GPU when there is one: seconds
     weights = {}
-    for name, parameter in UNetModel(config, dtype=dtype, device="meta").named_parameters():
+    for name, parameter in model.named_parameters():
         if parameter.ndim >= 2:
             fan_in = parameter[0].numel()
             drawn = torch.randn(parameter.shape, generator=generator, device=device)
             tensor = (drawn / fan_in**0.5).to(dtype)
         else:
-            tensor = torch.full(parameter.shape, 1.0 if name.endswith("weight") else 0.0, dtype=dtype)
-        weights[name] = tensor.cpu().pin_memory() if device.type == "cuda" else tensor
+            tensor = torch.full(parameter.shape, 1.0 if name.endswith(("weight", "scale")) else 0.0,
+                                dtype=dtype)
+        if device.type == "cuda":
+            pinned = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+            tensor = pinned.copy_(tensor)
+        weights[name] = tensor
     return weights
 
 
@@ -177,23 +187,34 @@ def registered_unet(config: UNetConfig, weights: dict, device: torch.device, hom
                     ) -> tuple[MemoryRuntime, str, UNetModel, DeviceLedger, EventBus]:
     """Our runtime with one ledger of `budget` bytes on `device` (None: no budget), and the UNet of `config`
     registered in it with `weights` at `home`: (runtime, module name, model, ledger, bus)."""
+    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
+    return registered_model(unet, weights, device, home, budget, free_memory_fn, graphs)
+
+
+def registered_model(model: torch.nn.Module, weights: dict, device: torch.device, home: str,
+                     budget: int | None, free_memory_fn: Callable[[],
+                                                                  int] | None = None, graphs: str = "auto",
+                     ) -> tuple[MemoryRuntime, str, torch.nn.Module, DeviceLedger, EventBus]:
+    """`registered_unet` for any staged model built on the meta device."""
     bus = EventBus()
     ledger = DeviceLedger(device_name(device), budget, free_memory_fn=free_memory_fn, bus=bus)
     runtime = MemoryRuntime(MemorySettings(cuda_graphs=graphs), bus=bus, ledgers={ledger.device_name: ledger})
-    unet = UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta")
-    name = runtime.register("diffusion", unet, home, ledger.device_name, weights.__getitem__)
-    return runtime, name, unet, ledger, bus
+    name = runtime.register("diffusion", model, home, ledger.device_name, weights.__getitem__)
+    return runtime, name, model, ledger, bus
 
 
-def sluice_run(config: UNetConfig, weights: dict, inputs: tuple, device: torch.device, home: str,
-               budget: int | None, warmup: int, steps: int
+def sluice_run(config: UNetConfig | Callable[[], torch.nn.Module], weights: dict, inputs: tuple,
+               device: torch.device, home: str, budget: int | None, warmup: int, steps: int
                ) -> tuple[float, float, float, float, int, int, StageProfile | None]:
     """(ms, peak GiB, reserved GiB, GiB copied per step, segments, workspace bytes, per-stage times and
-    workspace peaks) of our runtime with `home` weights under `budget`."""
+    workspace peaks) of our runtime with `home` weights under `budget`; `config` is a UNet's, or a function
+    that builds any staged model on the meta device."""
     before = release_garbage(device)
     free = live_free_memory(_compute(device)) if device.type == "cuda" else None
-    runtime, name, unet, ledger, bus = registered_unet(
-        config, weights, device, home, budget if budget is not None else (None if free else 1 << 50), free,
+    model = (config() if callable(config)
+             else UNetModel(config, dtype=next(iter(weights.values())).dtype, device="meta"))
+    runtime, name, unet, ledger, bus = registered_model(
+        model, weights, device, home, budget if budget is not None else (None if free else 1 << 50), free,
         GRAPHS[0])
     copied = [0]
     counting = [False]

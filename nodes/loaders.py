@@ -46,7 +46,7 @@ from engine.settings import Settings, SettingsError, load_settings
 COMPUTE_DEVICE = "auto"  # what a node's backend "auto" stands for (the workflow's and CLI's choice)
 WEIGHT_DTYPES = ("default", "fp32", "fp16", "bf16")
 CLIP_TYPES = {"stable_diffusion": None, "sd1": "sd1", "sd2": "sd2", "sdxl_refiner": "sdxl_refiner"}
-DUAL_CLIP_TYPES = {"sdxl": "sdxl"}
+DUAL_CLIP_TYPES = {"sdxl": "sdxl", "flux": "flux"}
 
 _settings: Settings | None = None
 
@@ -185,7 +185,8 @@ def _missing(name: str, component: str, kind: str) -> MissingComponent:
 class CheckpointLoaderSimple(NodeType):
     display_name = "Load Checkpoint"
     category = "loaders"
-    description = "Loads a single-file SD1.x / SD2.x / SDXL checkpoint: diffusion model, text encoder, VAE."
+    description = ("Loads a single-file SD1.x / SD2.x / SDXL / FLUX.1 checkpoint: diffusion model, text "
+                   "encoder, VAE.")
     memory_module = "diffusion"
     inputs = (combo_input("ckpt_name", model_choices("checkpoints")), *placement_inputs())
     outputs = (Output("MODEL", "MODEL"), Output("CLIP", "CLIP"), Output("VAE", "VAE"))
@@ -212,7 +213,7 @@ class CheckpointLoaderSimple(NodeType):
 class UNETLoader(NodeType):
     display_name = "Load Diffusion Model"
     category = "advanced/loaders"
-    description = "Loads a diffusion model (UNet) file from diffusion_models/ (or unet/)."
+    description = "Loads a diffusion model (SD UNet or FLUX transformer) from diffusion_models/ (or unet/)."
     memory_module = "diffusion"
     inputs = (combo_input("unet_name", model_choices("diffusion_models")),
               combo_input("weight_dtype", WEIGHT_DTYPES, "default"), *placement_inputs())
@@ -265,7 +266,8 @@ class CLIPLoader(NodeType):
 class DualCLIPLoader(NodeType):
     display_name = "DualCLIPLoader"
     category = "advanced/loaders"
-    description = "Loads SDXL's two text encoders (CLIP-L and OpenCLIP-bigG) from two files."
+    description = ("Loads two text encoders from two files: SDXL's CLIP-L and OpenCLIP-bigG (type sdxl), or "
+                   "FLUX's CLIP-L and T5-XXL (type flux).")
     memory_module = "te"
     inputs = (combo_input("clip_name1", model_choices("text_encoders")),
               combo_input("clip_name2", model_choices("text_encoders")),

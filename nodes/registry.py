@@ -28,6 +28,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.upscale",
     "nodes.preview",
     "nodes.lora",
+    "nodes.flux",
 )
 
 

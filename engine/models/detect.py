@@ -41,7 +41,7 @@ import torch
 from engine.models.formats import TYPE_NAMES, CheckpointReader
 
 TEXT_ENCODER_KINDS = ("clip_l", "openclip_h", "openclip_g")
-FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner", "sd_custom", "vae")
+FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner", "sd_custom", "vae", "flux_dev", "flux_schnell", "t5xxl")
 
 
 class UnsupportedModelError(ValueError):
@@ -81,6 +81,7 @@ class VAEConfig:
     attn_resolutions: tuple[int, ...]  # encoder/decoder level attention (the mid block always has one)
     scale_factor: float
     shift_factor: float = 0.0
+    use_quant_conv: bool = True  # quant_conv / post_quant_conv 1x1 convolutions (FLUX's VAE has none)
 
 
 @dataclass
@@ -117,6 +118,10 @@ class ModelInfo:
     stats: dict[str, ComponentStats]  # per component
     unassigned: ComponentStats  # tensors outside every component (EMA copies, schedule buffers, ...)
     unassigned_examples: list[str]
+    flux: Any = None  # FluxConfig of a FLUX transformer (engine/models/detect_flux.py), else None
+    flux_layout: str | None = None  # "bfl" (ComfyUI / BFL keys) or "diffusers"
+    t5: Any = None  # T5Config of a T5-XXL encoder, else None
+    t5_prefix: str | None = None  # the T5 encoder's key prefix (before `encoder.block.`)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -166,7 +171,7 @@ CANONICAL_TEXT_SETS = {
     "sdxl": ("clip_l", "openclip_g"),
     "sdxl_refiner": ("openclip_g",),
 }
-FOREIGN_MARKERS = {"joint_blocks.": "SD3", "double_blocks.": "FLUX", "blocks.0.cross_attn.": "Wan/DiT"}
+FOREIGN_MARKERS = {"joint_blocks.": "SD3", "blocks.0.cross_attn.": "Wan/DiT"}
 
 UNET_ROOTS = {"time_embed", "label_emb", "input_blocks", "middle_block", "output_blocks", "out"}
 VAE_ROOTS = {"encoder", "decoder", "quant_conv", "post_quant_conv"}
@@ -379,6 +384,7 @@ def _vae_config(t: _Table, p: str, layout: str) -> VAEConfig:
             resolution >> n for n in levels if t.first(f"{p}encoder.down.{n}.attn.", "weight")
         ),
         scale_factor=scale,
+        use_quant_conv=f"{p}quant_conv.weight" in t,
     )
 
 
@@ -508,6 +514,11 @@ def detect(
     `metadata` adds to (and overrides) the file's own metadata.
     """
     t = _as_table(source, metadata)
+    from engine.models.detect_flux import detect_flux  # here: it builds on this module's table
+
+    flux_info = detect_flux(t)
+    if flux_info is not None:
+        return flux_info
     unet_prefixes = [p for p in _prefixes(t, "input_blocks.0.0.weight") if f"{p}out.2.weight" in t]
     vae_prefixes = [
         p for p in _prefixes(t, "encoder.down.0.block.0.conv1.weight") if f"{p}decoder.conv_in.weight" in t

@@ -49,7 +49,8 @@ from engine.placement import LAYER_SPLIT_MODULES
 from engine.sampling.model_sampling import EpsPrediction, VPrediction
 
 COMPONENTS = ("diffusion", "te", "vae")
-COMPONENT_NAMES = {"diffusion": "diffusion model (UNet)", "te": "text encoder (CLIP)", "vae": "VAE"}
+COMPONENT_NAMES = {"diffusion": "diffusion model (UNet or FLUX transformer)", "te": "text encoder (CLIP, T5)",
+                   "vae": "VAE"}
 ADD_LOADER_HINT = {"diffusion": "add a UNETLoader", "te": "add a CLIPLoader", "vae": "add a VAELoader"}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SDXL_LATENT_SCALE, SD_LATENT_SCALE = 0.13025, 0.18215
@@ -168,7 +169,7 @@ def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots:
                                    target.devices or None, target.split_mode)
 
 
-def _memory(target: _Target, kind: str, names: Sequence[str | None], models: Sequence[torch.nn.Module],
+def module_memory(target: _Target, kind: str, names: Sequence[str | None], models: Sequence[torch.nn.Module],
             ) -> ModuleMemory | None:
     if target.runtime is None:
         return None
@@ -176,7 +177,7 @@ def _memory(target: _Target, kind: str, names: Sequence[str | None], models: Seq
                         target.home, tuple(models))
 
 
-def _adopt(bundle: Any, memory: ModuleMemory | None) -> Any:
+def adopt_lifetime(bundle: Any, memory: ModuleMemory | None) -> Any:
     """Unregister the weights when nothing uses them any more: the anchor is what every clone of the bundle
     shares (its model; for a text encoder its conditioner) and what the weight store does not hold."""
     if memory is not None:
@@ -198,8 +199,8 @@ def _build_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dty
     unet = UNetModel(config, dtype=dtype, device="meta")
     name = _place(unet, reader, prefix, UNET_ROOTS, dtype, target, "diffusion", "diffusion model")
     sampling = VPrediction() if config.prediction == "v" else EpsPrediction()
-    memory = _memory(target, "diffusion", [name], [unet])
-    return _adopt(DiffusionModel(unet=unet, model_sampling=sampling, family=info.layout,
+    memory = module_memory(target, "diffusion", [name], [unet])
+    return adopt_lifetime(DiffusionModel(unet=unet, model_sampling=sampling, family=info.layout,
                                  latent_channels=config.out_channels, latent_scale=_latent_scale(info),
                                  latent_shift=0.0, compute_device=device.name, params_location=target.home,
                                  source=reader.path, memory=memory), memory)
@@ -213,8 +214,9 @@ def _build_vae(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | N
     config = dataclasses.replace(info.vae, scale_factor=1.0, shift_factor=0.0)
     autoencoder = AutoencoderKL(config, device="meta", dtype=dtype)
     name = _place(autoencoder, reader, prefix, VAE_ROOTS, dtype, target, "vae", "VAE")
-    memory = _memory(target, "vae", [name], [autoencoder])
-    return _adopt(VAEModel(autoencoder=autoencoder, compute_device=device.name, params_location=target.home,
+    memory = module_memory(target, "vae", [name], [autoencoder])
+    return adopt_lifetime(VAEModel(autoencoder=autoencoder, compute_device=device.name,
+                                   params_location=target.home,
                            source=reader.path, memory=memory), memory)
 
 
@@ -232,7 +234,22 @@ def _detect(reader: CheckpointReader) -> ModelInfo:
     try:
         return detect(reader)
     except UnsupportedModelError as error:
-        raise UnsupportedModelError(f"not a Stable Diffusion model file: {error}") from None
+        raise UnsupportedModelError(f"not a model file Sluice reads (SD1.x, SD2.x, SDXL, FLUX.1, T5-XXL): "
+                                    f"{error}") from None
+
+
+def _build_flux_component(reader: CheckpointReader, info: ModelInfo, component: str,
+                          dtype: torch.dtype | None,
+                          target: _Target) -> Any:
+    """The FLUX transformer, or the CLIP-L + T5 text encoder, of a FLUX file."""
+    from engine.models.flux_loader import build_flux_diffusion, flux_text_encoder
+
+    if component == "diffusion":
+        return build_flux_diffusion(reader, info, dtype, target)
+    if not info.text_encoders or info.t5 is None:
+        return None  # reported as a missing component by the caller
+    return flux_text_encoder((reader, info.text_encoders[0]), (reader, info.t5, info.t5_prefix), dtype,
+                             target)
 
 
 def _targets(components: Sequence[str], device: PerComponent, params: PerComponent,
@@ -291,8 +308,10 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
             for component in missing:
                 if component not in info.components:
                     continue
-                if component == "diffusion":
-                    value: Any = _build_diffusion(reader, info, dtype, targets[component])
+                if info.flux is not None and component != "vae":
+                    value: Any = _build_flux_component(reader, info, component, dtype, targets[component])
+                elif component == "diffusion":
+                    value = _build_diffusion(reader, info, dtype, targets[component])
                 elif component == "vae":
                     value = _build_vae(reader, info, dtype, targets[component])
                 else:
@@ -304,11 +323,30 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
     return found.get("diffusion"), found.get("te"), found.get("vae")
 
 
+FILE_KINDS = {"t5xxl": "a T5-XXL text encoder (load it with DualCLIPLoader type flux)",
+              "vae": "a VAE (load it with VAELoader)"}
+
+
 def _require(value: Any, component: str, path: Path) -> Any:
     if value is None:
-        raise MissingComponentError(f"{path} has no {COMPONENT_NAMES[component]}; "
+        raise MissingComponentError(f"{path} has no {COMPONENT_NAMES[component]}{_what_it_holds(path)}; "
                                     f"{ADD_LOADER_HINT[component]} with a file that has one")
     return value
+
+
+def _what_it_holds(path: Path) -> str:
+    """", it is a T5-XXL text encoder (...)": what a file that lacks the asked component is, where known."""
+    try:
+        with open_checkpoint(path) as reader:
+            info = detect(reader)
+    except (CheckpointError, UnsupportedModelError, OSError):
+        return ""
+    if info.family in FILE_KINDS:
+        return f": it is {FILE_KINDS[info.family]}"
+    if set(info.components) == {"te"}:
+        kinds = ", ".join(config.kind for config in info.text_encoders)
+        return f": it is a text encoder ({kinds}; load it with CLIPLoader or DualCLIPLoader)"
+    return ""
 
 
 def load_diffusion_model(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
@@ -360,11 +398,11 @@ def _text_encoder(family: str, sources: list[tuple[CheckpointReader, TextEncoder
     built = [_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, target)
              for i, role in zip(order, FAMILY_ROLES[family], strict=True)]
     encoders = tuple(model for model, _ in built)
-    memory = _memory(target, "te", [name for _, name in built], encoders)
+    memory = module_memory(target, "te", [name for _, name in built], encoders)
     runners = encoders if memory is None else [ManagedEncoder(m, memory, i) for i, m in enumerate(encoders)]
     paths = tuple(dict.fromkeys(reader.path for reader, _ in sources))
     conditioner = build_conditioner(family, runners)
-    return _adopt(TextEncoder(family=family, encoders=encoders, conditioner=conditioner,
+    return adopt_lifetime(TextEncoder(family=family, encoders=encoders, conditioner=conditioner,
                               compute_device=target.device.name, params_location=target.home, sources=paths,
                               memory=memory), memory)
 
@@ -379,8 +417,9 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
     """
     if not paths:
         raise ValueError("load_text_encoders needs at least one file")
-    if family is not None and family not in TEXT_FAMILIES:
-        raise ValueError(f"unknown text encoder family {family!r}; accepted: {', '.join(TEXT_FAMILIES)}")
+    if family is not None and family not in (*TEXT_FAMILIES, "flux"):
+        raise ValueError(f"unknown text encoder family {family!r}; "
+                         f"accepted: {', '.join(TEXT_FAMILIES)}, flux")
     dtype, target = parse_dtype(dtype), _targets(["te"], device, params, runtime)["te"]
     file_paths = [Path(p) for p in paths]
     key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, *target.cache_key())
@@ -388,12 +427,16 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
     def build() -> TextEncoder:
         readers = [open_checkpoint(p) for p in file_paths]
         try:
-            sources = []
+            sources, t5_sources = [], []
             for reader in readers:
                 info = _detect(reader)
-                if not info.text_encoders:
+                if info.t5 is not None:
+                    t5_sources.append((reader, info.t5, info.t5_prefix))
+                elif not info.text_encoders:
                     _require(None, "te", reader.path)
                 sources += [(reader, config) for config in info.text_encoders]
+            if family == "flux" or t5_sources:
+                return _flux_text_encoder(sources, t5_sources, dtype, target)
             chosen = family or _family_of([config for _, config in sources])
             return _text_encoder(chosen, sources, dtype, target)
         finally:
@@ -401,6 +444,19 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
                 reader.close()
 
     return _cached(key, build)
+
+
+def _flux_text_encoder(sources: list[tuple[CheckpointReader, TextEncoderConfig]], t5_sources: list[tuple],
+                       dtype: torch.dtype | None, target: _Target) -> TextEncoder:
+    """FLUX's CLIP-L + T5-XXL from the given files: exactly one of each."""
+    from engine.models.flux_loader import flux_text_encoder
+
+    clip_l = [(reader, config) for reader, config in sources if config.layout == "hf"]
+    if len(clip_l) != 1 or len(t5_sources) != 1 or len(sources) != 1:
+        found = [c.kind for _, c in sources] + ["t5xxl"] * len(t5_sources)
+        raise ValueError(f"a flux text encoder needs one CLIP-L and one T5-XXL file; the files hold "
+                         f"{', '.join(found) or 'no text encoder'}")
+    return flux_text_encoder(clip_l[0], t5_sources[0], dtype, target)
 
 
 def _family_of(configs: list[TextEncoderConfig]) -> str:

@@ -180,8 +180,11 @@ class AutoencoderKL(StagedModel):
         with torch.device(device):
             self.encoder = Encoder(config)
             self.decoder = Decoder(config)
-            self.quant_conv = nn.Conv2d(2 * config.z_channels, 2 * config.embed_dim, 1)
-            self.post_quant_conv = nn.Conv2d(config.embed_dim, config.z_channels, 1)
+            if config.use_quant_conv:
+                self.quant_conv = nn.Conv2d(2 * config.z_channels, 2 * config.embed_dim, 1)
+                self.post_quant_conv = nn.Conv2d(config.embed_dim, config.z_channels, 1)
+            else:  # FLUX's autoencoder: the moments and the latent are the encoder's and decoder's own
+                self.quant_conv, self.post_quant_conv = nn.Identity(), nn.Identity()
         self.to(dtype)
 
     @property

@@ -1,6 +1,6 @@
-"""Cheap live previews: project a model-space latent to RGB with a fixed 4x3 linear map (no VAE).
+"""Cheap live previews: project a model-space latent to RGB with a fixed C x 3 linear map (no VAE).
 
-The factors are ComfyUI's latent_rgb_factors (comfy/latent_formats.py, classes SD15 and SDXL), applied,
+The factors are ComfyUI's latent_rgb_factors (comfy/latent_formats.py, classes SD15, SDXL and Flux), applied,
 as ComfyUI's Latent2RGBPreviewer does, to the denoised latent in the space the model samples in.
 """
 
@@ -16,8 +16,25 @@ LATENT_RGB_FACTORS: dict[str, list[list[float]]] = {
              [-0.2533, -0.0042, 0.1068],
              [0.1076, 0.1111, -0.0362],
              [-0.3165, -0.2492, -0.2188]],
+    "flux": [[-0.0346, 0.0244, 0.0681],  # 16 latent channels
+             [0.0034, 0.0210, 0.0687],
+             [0.0275, -0.0668, -0.0433],
+             [-0.0174, 0.0160, 0.0617],
+             [0.0859, 0.0721, 0.0329],
+             [0.0004, 0.0383, 0.0115],
+             [0.0405, 0.0861, 0.0915],
+             [-0.0236, -0.0185, -0.0259],
+             [-0.0245, 0.0250, 0.1180],
+             [0.1008, 0.0755, -0.0421],
+             [-0.0515, 0.0201, 0.0011],
+             [0.0428, -0.0012, -0.0036],
+             [0.0817, 0.0765, 0.0749],
+             [-0.1264, -0.0522, -0.1103],
+             [-0.0280, -0.0881, -0.0499],
+             [-0.1262, -0.0982, -0.0778]],
 }
-LATENT_RGB_BIAS: dict[str, list[float]] = {"sd1": [0.0, 0.0, 0.0], "sdxl": [0.1084, -0.0175, -0.0011]}
+LATENT_RGB_BIAS: dict[str, list[float]] = {"sd1": [0.0, 0.0, 0.0], "sdxl": [0.1084, -0.0175, -0.0011],
+                                           "flux": [-0.0329, -0.0718, -0.0851]}
 
 
 def latent_to_rgb(latent: torch.Tensor, family: str = "sd1") -> np.ndarray:

@@ -157,7 +157,7 @@ def test_vae_works_in_raw_latents_and_the_model_applies_the_scale(files: dict[st
 
 def test_a_file_without_sd_components_is_named_in_a_clear_error(tmp_path: Path) -> None:
     save_file({"blocks.0.weight": torch.zeros(2, 2)}, tmp_path / "other.safetensors")
-    with pytest.raises(UnsupportedModelError, match="not a Stable Diffusion model file: .*other.safetensors"):
+    with pytest.raises(UnsupportedModelError, match=r"not a model file Sluice reads .*other.safetensors"):
         loader.load_checkpoint(tmp_path / "other.safetensors")
 
 
@@ -167,7 +167,7 @@ def test_a_missing_component_says_which_loader_to_add(tmp_path: Path) -> None:
     assert model is not None and clip is None and vae is None
     with pytest.raises(MissingComponentError, match="unet.safetensors has no VAE; add a VAELoader"):
         loader.load_vae(tmp_path / "unet.safetensors")
-    with pytest.raises(MissingComponentError, match="has no text encoder \\(CLIP\\); add a CLIPLoader"):
+    with pytest.raises(MissingComponentError, match="has no text encoder \\(CLIP, T5\\); add a CLIPLoader"):
         loader.load_text_encoders([tmp_path / "unet.safetensors"])
 
 

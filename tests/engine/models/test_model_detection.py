@@ -261,6 +261,7 @@ def test_full_size_single_file_is_detected_with_the_released_configs(family):
         attn_resolutions=(),
         shift_factor=0.0,
         scale_factor=0.13025 if family.startswith("sdxl") else 0.18215,
+        use_quant_conv=True,
     )
     assert [
         (
@@ -452,20 +453,21 @@ def test_every_format_gives_the_same_detection(tmp_path, fmt):
 
 
 def test_non_sd_file_is_rejected_with_what_it_holds():
-    shapes = {f"double_blocks.{i}.img_attn.qkv.weight": (9216, 3072) for i in range(19)} | {
-        "img_in.weight": (3072, 64)
+    shapes = {f"joint_blocks.{i}.x_block.attn.qkv.weight": (4608, 1536) for i in range(24)} | {
+        "x_embedder.proj.weight": (1536, 16, 2, 2)
     }
     with pytest.raises(UnsupportedModelError) as caught:
         detect(shapes)
     message = str(caught.value)
     assert "holds no SD1.x/SD2.x/SDXL component" in message
-    assert "double_blocks.N (19), img_in.weight (1)" in message and "looks like FLUX" in message
+    assert "joint_blocks.N (24), x_embedder.proj (1)" in message and "looks like SD3" in message
 
 
-def test_dit_file_with_an_embedded_clip_is_not_taken_for_an_sd_text_encoder():
-    shapes = {"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": (9216, 3072)}
-    shapes |= text_shapes(family_spec("sd1", "full").text[0], "text_encoders.clip_l.transformer.text_model.")
-    with pytest.raises(UnsupportedModelError, match="looks like FLUX"):
+def test_incomplete_flux_file_is_rejected_naming_what_is_missing():
+    shapes = {f"double_blocks.{i}.img_attn.qkv.weight": (9216, 3072) for i in range(19)} | {
+        "img_in.weight": (3072, 64)
+    }
+    with pytest.raises(UnsupportedModelError, match=r"state dict: a FLUX file needs 'txt_in.weight'"):
         detect(shapes)
 
 

@@ -155,7 +155,9 @@ def test_latent_to_rgb_is_comfyui_linear_projection(family):
     rgb = np.einsum("chw,cr->hwr", latent.numpy(), factors) + LATENT_RGB_BIAS[family]
     expected = (np.clip((rgb + 1) / 2, 0, 1) * 255).astype(np.uint8)
     assert np.abs(latent_to_rgb(latent[None], family).astype(int) - expected.astype(int)).max() <= 1
-    with pytest.raises(ValueError, match="accepted: sd1, sdxl"):
+    with pytest.raises(ValueError, match="accepted: sd1, sdxl, flux"):
+        latent_to_rgb(latent, "sd3")
+    with pytest.raises(ValueError, match=r"needs a \(16, H, W\) latent for 'flux'"):
         latent_to_rgb(latent, "flux")
 
 

@@ -1,0 +1,168 @@
+"""Load FLUX.1 files into our models: the transformer (BFL or diffusers layout), CLIP-L + T5-XXL, the VAE.
+
+Models are built on `meta` and their parameters bound to tensors read lazily (engine/models/loader.py does
+the same for SD files). A diffusers-layout transformer is converted to BFL names one tensor at a time
+(engine/models/flux_keys.py), so the weight store and the runtime see one layout. fp8 files
+(`float8_e4m3fn`, `float8_e5m2`) load like the others: each tensor is upcast to the compute dtype as it is
+read; quantised weights that stay quantised on the device are issue 17's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.models.bundles import ManagedEncoder
+from engine.models.clip import CLIPTextModel, component_prefix
+from engine.models.detect import ModelInfo, TextEncoderConfig
+from engine.models.flux import FluxConfig, FluxTransformer
+from engine.models.flux_bundles import (
+    FluxConditioner,
+    FluxDiffusionModel,
+    FluxTextEncoder,
+    ManagedT5,
+    plain_t5,
+)
+from engine.models.flux_keys import diffusers_flux_getter
+from engine.models.formats import CheckpointReader, open_checkpoint
+from engine.models.loader import adopt_lifetime, default_dtype, module_memory
+from engine.models.t5 import T5Config, T5Encoder, t5_key_map
+from engine.models.weights import bind_weights
+from engine.sampling.model_sampling import FlowMatching, FluxFlowMatching
+
+FLUX_DEV_SHIFT = 1.15  # ComfyUI's sampling_settings for FLUX dev (ModelSamplingFlux)
+FLUX_SCHNELL_SHIFT = 1.0  # and for schnell (ModelSamplingDiscreteFlow, multiplier 1)
+Getter = Callable[[str], torch.Tensor]
+
+
+def flux_dtype(device: torch.device, requested: torch.dtype | None) -> torch.dtype:
+    """float32 on the CPU; bf16 on GPUs that have it (FLUX and T5 overflow in fp16), else fp16."""
+    if requested is not None:
+        return requested
+    if device.type == "cpu":
+        return torch.float32
+    bf16 = device.type != "cuda" or torch.cuda.is_bf16_supported()
+    return torch.bfloat16 if bf16 else torch.float16
+
+
+def _bind_from(model: torch.nn.Module, get: Getter, dtype: torch.dtype, target, kind: str, what: str,
+               path: Path, reopen: Callable[[], Getter]) -> str | None:
+    """Bind `model`'s parameters (named as it names them) to `get(name)`: read now and bound (plain), or
+    registered in the runtime under the target's home (disk: re-read through `reopen()`'s getter)."""
+    if target.runtime is None:
+        device = target.device.torch_device
+        tensors = {name: get(name).to(dtype).to(device) for name, _ in model.named_parameters()}
+        try:
+            bind_weights(model, tensors)
+        except ValueError as error:
+            raise ValueError(f"{path}: the {what} does not match its detected configuration: "
+                             f"{error}") from None
+        return None
+    source = reopen() if target.home == "disk" else get
+    return target.runtime.register(kind, model, target.home, target.device.name, source,
+                                   target.devices or None, target.split_mode)
+
+
+def _checked(get: Getter, path: Path, what: str) -> Getter:
+    def read(name: str) -> torch.Tensor:
+        try:
+            return get(name)
+        except KeyError:
+            raise ValueError(f"{path}: the {what} lacks tensor '{name}'; the file is incomplete") from None
+
+    return read
+
+
+def _flux_getter(reader: CheckpointReader, info: ModelInfo) -> Getter:
+    prefix = info.components["diffusion"]
+    keys = [k[len(prefix):] for k in reader.keys() if k.startswith(prefix)]
+
+    def raw(name: str) -> torch.Tensor:
+        return reader.get(prefix + name)
+
+    get = diffusers_flux_getter(raw, keys) if info.flux_layout == "diffusers" else raw
+    return _checked(get, reader.path, "FLUX transformer")
+
+
+def build_flux_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
+                         target) -> FluxDiffusionModel:
+    """The FLUX transformer of `reader` as a MODEL bundle, bound or registered per `target`."""
+    config: FluxConfig = info.flux
+    dtype = flux_dtype(target.device.torch_device, dtype)
+    model = FluxTransformer(config, dtype=dtype, device="meta")
+
+    def reopen() -> Getter:
+        return _flux_getter(open_checkpoint(reader.path), info)
+
+    name = _bind_from(model, _flux_getter(reader, info), dtype, target, "diffusion", "FLUX transformer",
+                      reader.path, reopen)
+    sampling = (FluxFlowMatching(shift=FLUX_DEV_SHIFT) if config.guidance_embed
+                else FlowMatching(shift=FLUX_SCHNELL_SHIFT, multiplier=1.0))
+    memory = module_memory(target, "diffusion", [name], [model])
+    vae = info.vae
+    scale, shift = (vae.scale_factor, vae.shift_factor) if vae is not None else (0.3611, 0.1159)
+    return adopt_lifetime(FluxDiffusionModel(unet=model, model_sampling=sampling, family=info.family,
+                                     latent_channels=config.in_channels // (config.patch_size ** 2),
+                                     latent_scale=scale, latent_shift=shift,
+                                     compute_device=target.device.name,
+                                     params_location=target.home, source=reader.path, memory=memory), memory)
+
+
+def _t5_getter(reader: CheckpointReader, prefix: str) -> Getter:
+    keys = [k[len(prefix):] for k in reader.keys() if k.startswith(prefix)]
+    mapping = t5_key_map(keys)
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(prefix + mapping.get(name, name))
+
+    return _checked(get, reader.path, "T5 encoder")
+
+
+def _build_t5(reader: CheckpointReader, config: T5Config, prefix: str, dtype: torch.dtype | None,
+              target) -> tuple[T5Encoder, str | None]:
+    dtype = flux_dtype(target.device.torch_device, dtype)
+    model = T5Encoder(config, dtype=dtype, device="meta")
+    name = _bind_from(model, _t5_getter(reader, prefix), dtype, target, "te", "T5 text encoder", reader.path,
+                      lambda: _t5_getter(open_checkpoint(reader.path), prefix))
+    return model, name
+
+
+def _build_clip_l(reader: CheckpointReader, config: TextEncoderConfig, dtype: torch.dtype | None,
+                  target) -> tuple[CLIPTextModel, str | None]:
+    """CLIP-L without its projection: FLUX reads the unprojected pooled feature."""
+    config = dataclasses.replace(config, kind="clip_l", activation="quick_gelu", projection_dim=None)
+    prefix = component_prefix(config)
+    dtype = dtype or default_dtype("te", target.device.torch_device, None)
+    model = CLIPTextModel(config, dtype=dtype, device="meta")
+
+    def get(name: str) -> torch.Tensor:
+        return reader.get(prefix + name)
+
+    def reopen() -> Getter:
+        other = open_checkpoint(reader.path)
+        return lambda name: other.get(prefix + name)
+
+    name = _bind_from(model, _checked(get, reader.path, "CLIP-L text encoder"), dtype, target, "te",
+                      "CLIP-L text encoder", reader.path, reopen)
+    return model, name
+
+
+def flux_text_encoder(clip_l: tuple[CheckpointReader, TextEncoderConfig],
+                      t5: tuple[CheckpointReader, T5Config, str], dtype: torch.dtype | None,
+                      target) -> FluxTextEncoder:
+    """ComfyUI's CLIP of type flux from CLIP-L's and T5's sources (one file or two)."""
+    clip_model, clip_name = _build_clip_l(*clip_l, dtype, target)
+    t5_model, t5_name = _build_t5(*t5, dtype, target)
+    memory = module_memory(target, "te", [clip_name, t5_name], [clip_model, t5_model])
+    if memory is None:
+        conditioner = FluxConditioner(clip_model, plain_t5(t5_model))
+    else:
+        conditioner = FluxConditioner(ManagedEncoder(clip_model, memory, 0), ManagedT5(t5_model, memory, 1))
+    paths = tuple(dict.fromkeys((clip_l[0].path, t5[0].path)))
+    return adopt_lifetime(FluxTextEncoder(family="flux", encoders=(clip_model, t5_model),
+                                          conditioner=conditioner,
+                                  compute_device=target.device.name, params_location=target.home,
+                                  sources=paths, memory=memory), memory)
