@@ -2,5 +2,6 @@
 
 model_sampling (sigma tables, eps/v/flow parametrisations, Denoiser), schedulers (+ schedule_tables),
 samplers / samplers_multistep / samplers_sde / samplers_dpm_solver (one function per sampler), registry
-(names -> functions), guidance (CFGDenoiser), noise (seeded noise), preview (latent -> RGB), sample (the job).
+(names -> functions), flow (how samplers serve rectified-flow models), guidance (CFGDenoiser), noise
+(seeded noise), preview (latent -> RGB), sample (the job).
 """

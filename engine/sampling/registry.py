@@ -1,4 +1,8 @@
-"""The sampler registry: every accepted name (stable-diffusion.cpp's and ComfyUI's) to its function."""
+"""The sampler registry: every accepted name (stable-diffusion.cpp's and ComfyUI's) to its function.
+
+Every sampler serves rectified-flow models (FLUX, SD3) too, except those in flow.FLOW_REFUSED_SAMPLERS
+(tcd, dpm++2mv2), which raise a ValueError naming the sampler and the reason when given a flow model.
+"""
 
 from collections.abc import Callable
 
