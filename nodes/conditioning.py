@@ -1,5 +1,7 @@
 """Text conditioning nodes with ComfyUI's names and input order: CLIPTextEncode, CLIPTextEncodeSDXL,
-CLIPSetLastLayer. Prompts accept (emphasis:1.2) and `embedding:name` (files of models/embeddings)."""
+CLIPSetLastLayer, ConditioningZeroOut, FluxGuidance. Prompts accept (emphasis:1.2) and `embedding:name` (files
+of models/embeddings). Nodes that change a CONDITIONING return a new list of new entry dicts; the tensors of
+the input are never written to."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.graph.spec import NodeType, Output, RunContext, int_input, link_input, string_input
+from engine.graph.spec import NodeType, Output, RunContext, float_input, int_input, link_input, string_input
 from engine.models.bundles import EmbeddingLookup, TextEncoder, require
 from engine.models.loader import load_embedding
 from engine.settings import Settings
@@ -78,4 +80,43 @@ class CLIPSetLastLayer(NodeType):
         return (require(clip, "CLIP", TextEncoder).clone_with_clip_skip(stop_at_clip_layer),)
 
 
-NODE_TYPES = (CLIPTextEncode, CLIPTextEncodeSDXL, CLIPSetLastLayer)
+def conditioning_entries(conditioning: Any) -> list[list[Any]]:
+    """The [context, extras] pairs of a CONDITIONING, with a clear error for anything else."""
+    if not isinstance(conditioning, list) or not all(
+            isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], torch.Tensor)
+            and isinstance(entry[1], dict) for entry in conditioning):
+        raise ValueError(f"expected a CONDITIONING (a list of [context, {{...}}] pairs), got "
+                         f"{type(conditioning).__name__}")
+    return conditioning
+
+
+class ConditioningZeroOut(NodeType):
+    category = "advanced/conditioning"
+    description = "The same conditioning with its context and pooled output set to zeros."
+    inputs = (link_input("conditioning", "CONDITIONING"),)
+    outputs = (Output("CONDITIONING", "CONDITIONING"),)
+
+    def run(self, ctx: RunContext, conditioning: Any) -> tuple:
+        zeroed = []
+        for context, extras in conditioning_entries(conditioning):
+            extras = dict(extras)
+            if extras.get("pooled_output") is not None:
+                extras["pooled_output"] = torch.zeros_like(extras["pooled_output"])
+            zeroed.append([torch.zeros_like(context), extras])
+        return (zeroed,)
+
+
+class FluxGuidance(NodeType):
+    category = "advanced/conditioning/flux"
+    description = ("Sets the guidance strength a guidance-distilled model (FLUX dev) is conditioned on; "
+                   "models without a guidance input ignore it.")
+    inputs = (link_input("conditioning", "CONDITIONING"),
+              float_input("guidance", 3.5, min=0.0, max=100.0, step=0.1))
+    outputs = (Output("CONDITIONING", "CONDITIONING"),)
+
+    def run(self, ctx: RunContext, conditioning: Any, guidance: float) -> tuple:
+        return ([[context, {**extras, "guidance": float(guidance)}]
+                 for context, extras in conditioning_entries(conditioning)],)
+
+
+NODE_TYPES = (CLIPTextEncode, CLIPTextEncodeSDXL, CLIPSetLastLayer, ConditioningZeroOut, FluxGuidance)

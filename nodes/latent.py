@@ -1,7 +1,8 @@
-"""Latent nodes with ComfyUI's names and input order: EmptyLatentImage, VAEDecode, VAEEncode and their
-tiled variants.
+"""Latent nodes with ComfyUI's names and input order: EmptyLatentImage, EmptySD3LatentImage, VAEDecode,
+VAEEncode and their tiled variants.
 
-LATENT is {"samples": [B, 4, h, w]} in the VAE's raw latent space, as in ComfyUI. VAEDecode and VAEEncode
+LATENT is {"samples": [B, C, h, w]} in the VAE's raw latent space, as in ComfyUI (C = 4 for SD1/SD2/SDXL,
+16 for SD3 and FLUX; each empty-latent node says its C). VAEDecode and VAEEncode
 tile as the memory settings' vae_tiling says (on, off, auto: reference/004's relative tile size 5 with 25 %
 overlap), and any decode or encode that runs out of memory retries in half-size tiles. The Tiled nodes take
 ComfyUI's absolute tile size and overlap in pixels (the temporal inputs are for video VAEs and unused).
@@ -19,7 +20,8 @@ from engine.memory.vae_tiling import TilingConfig
 from engine.models.bundles import VAEModel, require
 
 MAX_RESOLUTION = 16384
-LATENT_CHANNELS = 4
+SD_LATENT_CHANNELS = 4
+SD3_LATENT_CHANNELS = 16  # SD3 and FLUX
 
 
 def latent_samples(latent: Any) -> torch.Tensor:
@@ -33,6 +35,11 @@ def latent_samples(latent: Any) -> torch.Tensor:
     return samples
 
 
+def empty_latent(batch_size: int, channels: int, width: int, height: int) -> dict[str, torch.Tensor]:
+    """A LATENT of zeros for width x height pixels: (batch_size, channels, height // 8, width // 8)."""
+    return {"samples": torch.zeros(batch_size, channels, height // 8, width // 8)}
+
+
 class EmptyLatentImage(NodeType):
     display_name = "Empty Latent Image"
     category = "latent"
@@ -43,7 +50,19 @@ class EmptyLatentImage(NodeType):
     outputs = (Output("LATENT", "LATENT"),)
 
     def run(self, ctx: RunContext, width: int, height: int, batch_size: int) -> tuple:
-        return ({"samples": torch.zeros(batch_size, LATENT_CHANNELS, height // 8, width // 8)},)
+        return (empty_latent(batch_size, SD_LATENT_CHANNELS, width, height),)
+
+
+class EmptySD3LatentImage(NodeType):
+    category = "latent/sd3"
+    description = "A batch of empty (zero) 16-channel latents, for SD3 and FLUX, of width x height pixels."
+    inputs = (int_input("width", 1024, min=16, max=MAX_RESOLUTION, step=16),
+              int_input("height", 1024, min=16, max=MAX_RESOLUTION, step=16),
+              int_input("batch_size", 1, min=1, max=4096))
+    outputs = (Output("LATENT", "LATENT"),)
+
+    def run(self, ctx: RunContext, width: int, height: int, batch_size: int) -> tuple:
+        return (empty_latent(batch_size, SD3_LATENT_CHANNELS, width, height),)
 
 
 class VAEDecode(NodeType):
@@ -114,4 +133,4 @@ class VAEEncodeTiled(NodeType):
         return ({"samples": vae.encode(pixels, absolute_tiling(vae, tile_size, overlap))},)
 
 
-NODE_TYPES = (EmptyLatentImage, VAEDecode, VAEEncode, VAEDecodeTiled, VAEEncodeTiled)
+NODE_TYPES = (EmptyLatentImage, EmptySD3LatentImage, VAEDecode, VAEEncode, VAEDecodeTiled, VAEEncodeTiled)

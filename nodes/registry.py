@@ -24,6 +24,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.conditioning",
     "nodes.latent",
     "nodes.sampling",
+    "nodes.custom_sampling",
     "nodes.image",
     "nodes.upscale",
     "nodes.preview",

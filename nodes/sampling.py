@@ -2,11 +2,13 @@
 
 Both are thin wrappers over engine/sampling/sample.py: the latent is scaled into the model's space, sampled
 with classifier-free guidance, and scaled back to the raw LATENT space. Progress is reported every step, and
-a preview as the workflow's settings["preview"] asks (engine/previews.py: TAESD or latent-to-RGB).
+a preview as the workflow's settings["preview"] asks (engine/previews.py: TAESD or latent-to-RGB). The
+helpers for those parts are shared with the custom-sampling nodes (nodes/custom_sampling.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,17 +35,28 @@ SCHEDULER_NAMES = tuple(SCHEDULERS)
 MAX_STEPS = 10000
 
 
-def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, negative: Any, cfg: float,
-                sampler_name: str, scheduler: str, steps: int, seed: int, denoise: float = 1.0,
-                add_noise: bool = True, start_step: int | None = None, end_step: int | None = None,
-                return_with_leftover_noise: bool = False) -> dict[str, torch.Tensor]:
-    """One KSampler(Advanced) run on ComfyUI types; returns the LATENT dict."""
-    model = require(model, "MODEL", DiffusionModel)
-    samples = latent_samples(latent_image)
-    height, width = samples.shape[2] * 8, samples.shape[3] * 8
-    device = model.torch_device
-    cond = model.guidance_conditioning(positive, width, height)
-    uncond = model.guidance_conditioning(negative, width, height)
+def model_samples(model: DiffusionModel, latent_image: Any) -> torch.Tensor:
+    """The LATENT's raw samples (float32) for `model`: an empty (all-zero) latent of another channel count
+    takes the model's (ComfyUI's fix_empty_latent_channels), any other mismatch is an error."""
+    samples = latent_samples(latent_image).float()
+    channels = model.latent_channels
+    if samples.shape[1] != channels:
+        if bool(samples.any()):
+            raise ValueError(f"the latent has {samples.shape[1]} channels but this {model.family} model "
+                             f"samples {channels}; use a latent made for it (EmptyLatentImage: 4, "
+                             f"EmptySD3LatentImage: 16) or the model's own VAE")
+        samples = samples.new_zeros(samples.shape[0], channels, *samples.shape[2:])
+    return samples
+
+
+def model_space(model: DiffusionModel, samples: torch.Tensor) -> torch.Tensor:
+    """Raw samples -> the model's space on its device; the empty latent stays zero, unshifted (as ComfyUI)."""
+    samples = samples.to(model.torch_device)
+    return model.process_in(samples) if bool(samples.any()) else samples
+
+
+def step_reporter(ctx: RunContext, model: DiffusionModel) -> Callable[[dict], None]:
+    """The per-step callback of a sampler node: progress every step, a preview as the settings ask."""
     previewer = make_previewer(getattr(ctx.workflow, "settings", None), model.latent_format, ctx.settings)
 
     def on_step(info: dict) -> None:
@@ -52,12 +65,30 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
         if image is not None:
             ctx.report_preview(image)
 
-    result = sample(model.denoiser(), model.process_in(samples.float().to(device)), cond, uncond, cfg,
-                    sampler_name, scheduler, steps, seed, denoise=denoise, add_noise=add_noise,
-                    start_step=start_step, end_step=end_step,
-                    return_with_leftover_noise=return_with_leftover_noise, callback=on_step,
-                    check_interrupt=ctx.check_interrupt, family=model.latent_format)
+    return on_step
+
+
+def latent_output(model: DiffusionModel, latent_image: Any, result: torch.Tensor) -> dict[str, Any]:
+    """A model-space result as the LATENT dict (raw space, on the CPU), keeping the input's other keys."""
     return {**latent_image, "samples": model.process_out(result).cpu()}
+
+
+def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, negative: Any, cfg: float,
+                sampler_name: str, scheduler: str, steps: int, seed: int, denoise: float = 1.0,
+                add_noise: bool = True, start_step: int | None = None, end_step: int | None = None,
+                return_with_leftover_noise: bool = False) -> dict[str, torch.Tensor]:
+    """One KSampler(Advanced) run on ComfyUI types; returns the LATENT dict."""
+    model = require(model, "MODEL", DiffusionModel)
+    samples = model_samples(model, latent_image)
+    height, width = samples.shape[2] * 8, samples.shape[3] * 8
+    cond = model.guidance_conditioning(positive, width, height)
+    uncond = model.guidance_conditioning(negative, width, height)
+    result = sample(model.denoiser(), model_space(model, samples), cond, uncond, cfg, sampler_name, scheduler,
+                    steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
+                    end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
+                    callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
+                    family=model.latent_format)
+    return latent_output(model, latent_image, result)
 
 
 class KSampler(NodeType):

@@ -110,8 +110,11 @@ class DiffusionModel:
 
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-              y: torch.Tensor | None = None) -> torch.Tensor:
-        """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x."""
+              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None) -> torch.Tensor:
+        """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
+
+        `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
+        """
         device = self.torch_device
         inputs = (x.to(device), timesteps.to(device), context.to(device), None if y is None else y.to(device))
         if _managed(self.memory, self.unet):
@@ -127,7 +130,8 @@ class DiffusionModel:
 
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
                               ) -> guidance.Conditioning:
-        """ComfyUI CONDITIONING -> the sampler's (context, y); width, height: SDXL size defaults (pixels)."""
+        """ComfyUI CONDITIONING -> the sampler's (context, y, guidance); width, height: SDXL size defaults
+        (pixels). `guidance` is the entry's extras["guidance"] (FluxGuidance), None when it has none."""
         if not isinstance(conditioning, list) or not conditioning:
             raise ValueError("conditioning is empty; connect the output of a CLIPTextEncode node")
         if len(conditioning) > 1:
@@ -138,7 +142,7 @@ class DiffusionModel:
             raise ValueError(f"conditioning width {context.shape[-1]} does not suit this {self.family} model "
                              f"(context_dim {self.unet.config.context_dim}); use the text encoder of the "
                              f"same model family")
-        return guidance.Conditioning(context, self._adm(extras, width, height))
+        return guidance.Conditioning(context, self._adm(extras, width, height), extras.get("guidance"))
 
     def _adm(self, extras: Mapping[str, Any], width: int, height: int) -> torch.Tensor | None:
         """SDXL's vector condition y from the pooled text feature and the size fields (ComfyUI encode_adm)."""

@@ -7,6 +7,11 @@ CFG++ samplers (Chung et al. 2024) need the unconditional prediction as well as 
 mechanism: a sampler sets `model.keep_uncond = True` before its loop; the CFG denoiser then always runs
 the negative pass (even at cfg == 1) and stores it in `model.last_uncond_denoised` after every call. A
 denoiser without guidance has no such attribute; for it the unconditional prediction is the prediction.
+
+Guidance-distilled models (FLUX dev) take the guidance strength as an input instead: a `Conditioning` may
+carry `guidance`, which the model call receives as a (B,) tensor `guidance=` (cond rows then uncond rows, like
+y). The model bundle fills its own default (FLUX: 3.5, as ComfyUI); where only one side carries a value, the
+other side takes it, so the batched call always has one value per row.
 """
 
 import math
@@ -18,10 +23,12 @@ import torch
 
 @dataclass
 class Conditioning:
-    """Text conditioning: cross-attention context (B, T, C) and the optional SDXL ADM vector y (B, D)."""
+    """Text conditioning: cross-attention context (B, T, C), the optional SDXL ADM vector y (B, D) and the
+    optional guidance strength of guidance-distilled models (FLUX)."""
 
     context: torch.Tensor
     y: torch.Tensor | None = None
+    guidance: float | None = None  # FluxGuidance's value; None: the model takes no guidance input
 
     def __post_init__(self) -> None:
         if self.context.ndim != 3:
@@ -48,6 +55,18 @@ def match_token_lengths(contexts: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     length = math.lcm(*(c.shape[1] for c in contexts))
     return [c.repeat(1, length // c.shape[1], 1) for c in contexts]  # (B, length, C)
+
+
+def guidance_rows(values: list[float | None], batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """`{"guidance": (len(values) * batch,)}` for the model call, one value per side; {} when no side has one.
+
+    A side without a value takes the first value given (the model bundle supplies its default per side).
+    """
+    given = [v for v in values if v is not None]
+    if not given:
+        return {}
+    rows = [torch.full((batch,), float(given[0] if v is None else v), device=device) for v in values]
+    return {"guidance": torch.cat(rows)}  # (sides * B,)
 
 
 def cfg_mix(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
@@ -77,7 +96,7 @@ class CFGDenoiser:
         if not run_uncond:
             cond = self.model(x, sigma, context=repeat_to_batch(self.cond.context, batch),
                               y=None if self.cond.y is None else repeat_to_batch(self.cond.y, batch),
-                              **extra_args)
+                              **guidance_rows([self.cond.guidance], batch, x.device), **extra_args)
             self.last_uncond_denoised = cond
             return cond
         contexts = match_token_lengths([repeat_to_batch(c.context, batch) for c in (self.cond, self.uncond)])
@@ -85,8 +104,9 @@ class CFGDenoiser:
         if (ys[0] is None) != (ys[1] is None):
             raise ValueError("positive and negative conditioning must both have a y (SDXL) vector or neither")
         y = None if ys[0] is None else torch.cat([repeat_to_batch(v, batch) for v in ys])  # (2B, D)
+        guidance = guidance_rows([self.cond.guidance, self.uncond.guidance], batch, x.device)
         out = self.model(torch.cat([x, x]), torch.cat([sigma, sigma]), context=torch.cat(contexts), y=y,
-                         **extra_args)  # (2B, ...)
+                         **guidance, **extra_args)  # (2B, ...)
         cond, uncond = out[:batch], out[batch:]
         self.last_uncond_denoised = uncond
         return cfg_mix(cond, uncond, self.cfg_scale)

@@ -225,22 +225,28 @@ def flux_shift_for(width: int, height: int, base_shift: float = 0.5, max_shift: 
 
 ModelSampling = EpsPrediction | VPrediction | FlowMatching | FluxFlowMatching
 
-UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None) -> model output
+UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None[, guidance=]) -> model output
 
 
 @dataclass
 class Denoiser:
-    """Wraps `unet_fn(x_in, timesteps, context, y=None)` into a k-diffusion denoiser `(x, sigma) -> x0`."""
+    """Wraps `unet_fn(x_in, timesteps, context, y=None)` into a k-diffusion denoiser `(x, sigma) -> x0`.
+
+    `guidance` (B,), the strength a guidance-distilled model (FLUX) is conditioned on, reaches `unet_fn` as
+    `guidance=` only when given, so networks without that input need not accept it.
+    """
 
     unet_fn: UnetFn
     model_sampling: ModelSampling
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor | None = None,
-                 y: torch.Tensor | None = None, **extra: object) -> torch.Tensor:
+                 y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
+                 **extra: object) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # (B,)
         x_in = self.model_sampling.calculate_input(sigma, x)
         timesteps = self.model_sampling.timestep(sigma.cpu()).to(x.device)
-        model_output = self.unet_fn(x_in, timesteps, context, y=y)
+        options = {} if guidance is None else {"guidance": guidance}
+        model_output = self.unet_fn(x_in, timesteps, context, y=y, **options)
         return self.model_sampling.calculate_denoised(sigma, model_output.to(x.dtype), x)
 
 

@@ -5,6 +5,7 @@ sample's device, so a seed gives the same image whatever device runs the model.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,30 @@ def prepare_noise(latent: torch.Tensor, seed: int) -> torch.Tensor:
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     return torch.randn(latent.shape, dtype=latent.dtype, layout=latent.layout, generator=generator,
                        device="cpu")
+
+
+@dataclass(frozen=True)
+class SeededNoise:
+    """The NOISE of ComfyUI's RandomNoise node: `prepare_noise` with this seed, also the step-noise seed."""
+
+    seed: int
+
+    def generate(self, latent: torch.Tensor) -> torch.Tensor:
+        return prepare_noise(latent, self.seed)
+
+
+@dataclass(frozen=True)
+class EmptyNoise:
+    """The NOISE of ComfyUI's DisableNoise node: zeros, so sampling starts from the latent itself.
+
+    `seed` still seeds the step noise of ancestral and SDE samplers (0 for DisableNoise, the node's seed for
+    SamplerCustom with add_noise off, as in ComfyUI).
+    """
+
+    seed: int = 0
+
+    def generate(self, latent: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(latent.shape, dtype=latent.dtype, layout=latent.layout, device="cpu")
 
 
 def default_noise_sampler(x: torch.Tensor, seed: int | None = None) -> NoiseSampler:

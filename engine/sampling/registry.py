@@ -5,6 +5,7 @@ Every sampler serves rectified-flow models (FLUX, SD3) too, except those in flow
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from . import samplers as single
 from . import samplers_dpm_solver as dpm_solver
@@ -81,3 +82,17 @@ def resolve_sampler(name: str) -> Sampler:
         accepted = ", ".join(list(SAMPLERS) + list(SAMPLER_ALIASES))
         raise ValueError(f"unknown sampler '{name}'; accepted: {accepted}")
     return SAMPLERS[key]
+
+
+@dataclass(frozen=True)
+class SamplerChoice:
+    """A SAMPLER link value (ComfyUI's KSAMPLER object): one registered sampler, checked when chosen."""
+
+    name: str  # any name resolve_sampler accepts
+
+    def __post_init__(self) -> None:
+        resolve_sampler(self.name)
+
+    @property
+    def function(self) -> Sampler:
+        return resolve_sampler(self.name)

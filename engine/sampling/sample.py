@@ -1,4 +1,5 @@
-"""The KSampler / KSamplerAdvanced job: sigmas, initial noise, guidance, sampler, progress.
+"""The KSampler / KSamplerAdvanced job: sigmas, initial noise, guidance, sampler, progress; and its second
+half, `sample_sigmas`, which the custom-sampling nodes (given sigmas, noise and guider) run directly.
 
 Semantics follow ComfyUI (nodes.common_ksampler, comfy.samplers.KSampler): `denoise < 1` computes
 `int(steps / denoise)` sigmas and keeps the last `steps + 1`; `start_step` / `end_step` slice them;
@@ -16,7 +17,7 @@ from .guidance import CFGDenoiser, Conditioning
 from .model_sampling import Denoiser, max_denoise
 from .noise import default_noise_sampler, prepare_noise
 from .preview import latent_to_rgb
-from .registry import resolve_sampler
+from .registry import Sampler, resolve_sampler
 from .schedulers import calculate_sigmas
 
 
@@ -61,16 +62,37 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
     model call (raise from it to abort within one step); `preview(step, rgb)` gets an (H, W, 3) uint8
     projection of the step's denoised latent for `family`.
     """
-    model_sampling = model.model_sampling
     sampler_fn = resolve_sampler(sampler)
-    sigmas = ksampler_sigmas(model_sampling, scheduler, steps, denoise, start_step, end_step,
+    sigmas = ksampler_sigmas(model.model_sampling, scheduler, steps, denoise, start_step, end_step,
                              return_with_leftover_noise, family, custom_sigmas)
     if len(sigmas) < 2:
         return latent.clone()
-    sigmas = sigmas.to(latent.device)
-    noise = prepare_noise(latent, seed).to(latent.device) if add_noise else torch.zeros_like(latent)
-    x = model_sampling.noise_scaling(sigmas[0], noise, latent, max_denoise(model_sampling, sigmas))
+    noise = prepare_noise(latent, seed) if add_noise else torch.zeros_like(latent)
     guided = CFGDenoiser(model, positive, negative, cfg, check_interrupt=check_interrupt)
+    return sample_sigmas(guided, latent, noise, sigmas, sampler_fn, seed, callback=callback, preview=preview,
+                         family=family, sampler_options=sampler_options)
+
+
+def sample_sigmas(model: CFGDenoiser, latent: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
+                  sampler: Sampler, seed: int, callback: Callable[[dict], None] | None = None,
+                  preview: Callable[[int, object], None] | None = None, family: str = "sd1",
+                  sampler_options: dict | None = None) -> torch.Tensor:
+    """Sample a (B, C, H, W) model-space latent over the given sigmas, as ComfyUI's KSAMPLER.sample.
+
+    The latent is noised to sigmas[0] by the model sampling's `noise_scaling` (`noise` is unit Gaussian, or
+    zeros for none), the guided denoiser `model` is stepped by `sampler`, and the result un-scaled at
+    sigmas[-1]. `seed` seeds the per-step noise of ancestral and SDE samplers. Empty sigmas return the
+    latent; a single sigma returns the latent noised to it, without a model call (as ComfyUI). `callback`,
+    `preview` and `family` as for `sample`.
+    """
+    if len(sigmas) == 0:
+        return latent.clone()
+    model_sampling = model.model_sampling
+    sigmas = sigmas.to(latent.device)
+    x = model_sampling.noise_scaling(sigmas[0], noise.to(latent.device), latent,
+                                     max_denoise(model_sampling, sigmas))
+    if len(sigmas) == 1:
+        return model_sampling.inverse_noise_scaling(sigmas[-1], x)
     total = len(sigmas) - 1
 
     def on_step(info: dict) -> None:
@@ -80,7 +102,7 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
             preview(info["i"], latent_to_rgb(info["denoised"], family))
 
     options = dict(sampler_options or {})
-    if "noise_sampler" in inspect.signature(sampler_fn).parameters:
+    if "noise_sampler" in inspect.signature(sampler).parameters:
         options.setdefault("noise_sampler", default_noise_sampler(x, seed))
-    samples = sampler_fn(guided, x, sigmas, extra_args={}, callback=on_step, disable=True, **options)
+    samples = sampler(model, x, sigmas, extra_args={}, callback=on_step, disable=True, **options)
     return model_sampling.inverse_noise_scaling(sigmas[-1], samples)
