@@ -44,7 +44,7 @@ from engine.models.loader import (
 from engine.settings import Settings, SettingsError, load_settings
 
 COMPUTE_DEVICE = "auto"  # what a node's backend "auto" stands for (the workflow's and CLI's choice)
-WEIGHT_DTYPES = ("default", "fp32", "fp16", "bf16")
+WEIGHT_DTYPES = ("default", "fp32", "fp16", "bf16", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")  # ComfyUI's
 CLIP_TYPES = {"stable_diffusion": None, "sd1": "sd1", "sd2": "sd2", "sdxl_refiner": "sdxl_refiner"}
 DUAL_CLIP_TYPES = {"sdxl": "sdxl", "flux": "flux"}
 

@@ -8,6 +8,11 @@ origin_slot, target, target_slot, type] arrays (0.4) or objects with those keys 
 ("bypass") become muted and bypassed; a link from or to a node that is not in the file is dropped with a
 warning (ComfyUI saves such stale links and opens the file anyway).
 
+Subgraphs (`definitions.subgraphs`) are flattened first, their inner nodes named "instance:inner" as in
+ComfyUI's API prompts (engine/graph/comfy_subgraph.py). Types whose widgets differ from ComfyUI's (a loader's
+`device`) are translated by engine/graph/comfy_widgets.py; Sluice's own placement widgets (`backend`,
+`params_backend`) are never in ComfyUI files and take their defaults silently.
+
 Frontend-only nodes are resolved: a Reroute chain is replaced by direct links from its source, a
 PrimitiveNode's value is written into the widgets it feeds, and Note / MarkdownNote texts move to
 `workflow.meta["notes"]`. Nodes of types the lookup does not know are kept, with their links, so that
@@ -29,6 +34,8 @@ from typing import Any
 
 import networkx as nx
 
+from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs
+from engine.graph.comfy_widgets import SLUICE_ONLY_WIDGETS, named_ui_values, sluice_api_inputs
 from engine.graph.document import Group, Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.errors import WorkflowError
 from engine.graph.spec import ANY, INT, SEED, SEED_CONTROLS, NodeType
@@ -83,19 +90,26 @@ def from_comfy_ui(data: Any, lookup: Lookup) -> tuple[Workflow, list[str]]:
     if not is_comfy_ui(data):
         raise WorkflowError("not a ComfyUI workflow: expected an object with a \"nodes\" list")
     warnings: list[str] = []
+    if has_subgraphs(data):
+        flat = flatten_subgraphs(data, warnings)
+        raw_nodes, raw_links, raw_groups, pushed = flat.nodes, flat.links, flat.groups, flat.pushed
+    else:
+        raw_nodes, raw_links = data["nodes"], data.get("links") or []
+        raw_groups, pushed, flat = _list_field(data, "groups", "workflow"), {}, None
     nodes: dict[str, _UiNode] = {}
-    for index, raw in enumerate(data["nodes"]):
+    for index, raw in enumerate(raw_nodes):
         node = _ui_node(raw, f"nodes[{index}]")
         if node.id in nodes:
             raise WorkflowError(f"duplicate node id {node.id} (nodes[{index}])")
         nodes[node.id] = node
-    raw_links = data.get("links") or []
     if not isinstance(raw_links, list):
         raise WorkflowError(f"field 'links' must be a list, got {raw_links!r}")
     links = [link for index, raw in enumerate(raw_links)
              if (link := _ui_link(raw, f"links[{index}]", nodes, warnings)) is not None]
     links = _resolve_reroutes(nodes, links, warnings)
-    links, pushed = _resolve_primitives(nodes, links, warnings)
+    links, from_primitives = _resolve_primitives(nodes, links, warnings)
+    for node_id, values in from_primitives.items():
+        pushed.setdefault(node_id, {}).update(values)
 
     workflow = Workflow(meta={"imported_from": f"ComfyUI workflow (version {data.get('version', '?')})"})
     unknown: dict[str, list[str]] = {}
@@ -119,16 +133,13 @@ def from_comfy_ui(data: Any, lookup: Lookup) -> tuple[Workflow, list[str]]:
         if link.type == ANY:  # an untyped link (e.g. out of a reroute chain) takes its source's output type
             link.type = output_type_of(workflow, lookup, link) or ANY
     workflow.groups = [_ui_group(raw, f"groups[{index}]", str(index + 1))
-                       for index, raw in enumerate(_list_field(data, "groups", "workflow"))]
+                       for index, raw in enumerate(raw_groups)]
     if notes:
         workflow.meta["notes"] = notes
     if raw_values:
         workflow.meta["comfy_widgets_values"] = raw_values
-    definitions = data.get("definitions")
-    subgraphs = definitions.get("subgraphs") if isinstance(definitions, dict) else None
-    if subgraphs:
-        warnings.append(f"the workflow defines {len(subgraphs)} subgraph(s), which Sluice does not read; "
-                        f"nodes that use them appear as unknown types")
+    if flat is not None and flat.instances:
+        workflow.meta["comfy_subgraphs"] = flat.instances
     if unknown:
         warnings.append(unknown_types_message(unknown))
     return workflow, warnings
@@ -321,6 +332,8 @@ def _ui_widgets(node: _UiNode, cls: type[NodeType],
     controls: dict[str, str] = {}
     socket_only = {entry.name for entry in node.inputs if entry.widget is None}
     values = node.widgets_values
+    if isinstance(values, list):
+        values = named_ui_values(node.type, cls, values, f"node {node.id} ({node.type})", warnings)
     if isinstance(values, dict):
         widgets = {name: values[name] for name in defaults if name in values}
     else:
@@ -338,7 +351,8 @@ def _ui_widgets(node: _UiNode, cls: type[NodeType],
                 cursor += 1
             elif spec.kind == INT and control_follows and len(values) - cursor > len(slotted) - index - 1:
                 cursor += 1  # ComfyUI gave this INT a control after generate; Sluice keeps none for INT
-    missing = [name for name in defaults if name not in widgets and name not in socket_only]
+    missing = [name for name in defaults
+               if name not in widgets and name not in socket_only and name not in SLUICE_ONLY_WIDGETS]
     if missing:
         warnings.append(f"node {node.id} ({node.type}): widgets_values has no value for "
                         f"{', '.join(missing)}; using the default{'s' if len(missing) > 1 else ''}")
@@ -428,11 +442,13 @@ def _is_api_link(value: Any) -> bool:
 def _api_widgets(where: str, cls: type[NodeType], given: dict[str, Any], linked: set[str],
                  warnings: list[str]) -> dict[str, Any]:
     defaults = cls.default_widget_values()
+    given = sluice_api_inputs(cls.type_name, given, where, warnings)
     extra = [name for name in given if name not in defaults]
     if extra:
         warnings.append(f"{where}: inputs {', '.join(extra)} are not widgets of the Sluice node type; "
                         f"ignored")
-    missing = [name for name in defaults if name not in given and name not in linked]
+    missing = [name for name in defaults
+               if name not in given and name not in linked and name not in SLUICE_ONLY_WIDGETS]
     if missing:
         warnings.append(f"{where}: no value for {', '.join(missing)}; using the "
                         f"default{'s' if len(missing) > 1 else ''}")

@@ -4,8 +4,8 @@ Node types are written under their Sluice names, which are ComfyUI's for the typ
 prompt muted nodes are left out and bypassed nodes are resolved through as Sluice's executor runs them (each
 output passes on the first linked input of the same type); seed controls are not part of a prompt. The UI
 workflow keeps every node with its mode, lists link inputs and linked widgets (as converted widgets) in
-`inputs`, writes `widgets_values` positionally with each seed followed by its control, and turns
-`meta["notes"]` back into Note nodes.
+`inputs`, writes `widgets_values` positionally with each seed followed by its control (in ComfyUI's layout for
+the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` back into Note nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.graph.comfy import Lookup
+from engine.graph.comfy_widgets import comfy_api_extras, comfy_ui_values
 from engine.graph.document import Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.spec import ANY, SEED, NodeType
 
@@ -38,6 +39,7 @@ def to_api_prompt(workflow: Workflow, lookup: Lookup) -> dict[str, Any]:
             for spec in cls.inputs:
                 if spec.is_widget and sources.get(spec.name) is None:
                     inputs[spec.name] = node.widgets.get(spec.name, defaults[spec.name])
+            inputs.update(comfy_api_extras(node.type, inputs))
         for name, source in sources.items():
             if source is not None:
                 inputs[name] = [source[0], source[1]]
@@ -183,6 +185,9 @@ def _ui_widgets_values(workflow: Workflow, node: NodeDoc, cls: type[NodeType] | 
         raw = workflow.meta.get("comfy_widgets_values", {}).get(node.id)
         return list(raw) if isinstance(raw, list) else list(node.widgets.values())
     defaults = cls.default_widget_values()
+    translated = comfy_ui_values(node.type, cls, {**defaults, **node.widgets})
+    if translated is not None:
+        return translated
     values: list[Any] = []
     for spec in cls.widget_inputs():
         values.append(node.widgets.get(spec.name, defaults[spec.name]))

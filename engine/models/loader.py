@@ -52,7 +52,9 @@ COMPONENTS = ("diffusion", "te", "vae")
 COMPONENT_NAMES = {"diffusion": "diffusion model (UNet or FLUX transformer)", "te": "text encoder (CLIP, T5)",
                    "vae": "VAE"}
 ADD_LOADER_HINT = {"diffusion": "add a UNETLoader", "te": "add a CLIPLoader", "vae": "add a VAELoader"}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e4m3fn_fast": torch.float8_e4m3fn,  # fp8: storage only
+          "fp8_e5m2": torch.float8_e5m2}
 SDXL_LATENT_SCALE, SD_LATENT_SCALE = 0.13025, 0.18215
 
 log = logging.getLogger("sluice.loader")
@@ -63,7 +65,8 @@ _cache_lock = threading.Lock()
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """None / "default" -> None (the device's default); "fp32" / "fp16" / "bf16" or a torch dtype."""
+    """None / "default" -> None (the device's default); a DTYPES name or a torch dtype. The fp8 names
+    (ComfyUI's weight_dtype choices) give float8 types, which store weights but do not compute."""
     if name is None or isinstance(name, torch.dtype):
         return name
     if name == "default":
@@ -196,6 +199,9 @@ def _build_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dty
                      target: _Target) -> DiffusionModel:
     prefix, config, device = info.components["diffusion"], info.unet, target.device
     dtype = dtype or default_dtype("diffusion", device.torch_device, _stored_dtype(reader, prefix))
+    if dtype.itemsize == 1:
+        raise CheckpointError(f"weight dtype {dtype} is not supported for the {info.layout} UNet, which "
+                              f"computes in its weights' dtype; accepted: default, fp32, fp16, bf16")
     unet = UNetModel(config, dtype=dtype, device="meta")
     name = _place(unet, reader, prefix, UNET_ROOTS, dtype, target, "diffusion", "diffusion model")
     sampling = VPrediction() if config.prediction == "v" else EpsPrediction()

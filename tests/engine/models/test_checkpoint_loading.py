@@ -73,6 +73,8 @@ def test_weights_are_converted_to_the_requested_dtype(files: dict[str, Path]) ->
     _assert_bound_from(model_bf16.unet, tensors, UNET_PREFIX)
     with pytest.raises(ValueError, match="unknown weight dtype 'fp8'; accepted: default, fp32, fp16, bf16"):
         loader.load_diffusion_model(files["sd1_fp16"], dtype="fp8")
+    with pytest.raises(CheckpointError, match="float8_e4m3fn is not supported for the sd1 UNet"):
+        loader.load_diffusion_model(files["sd1_fp16"], dtype="fp8_e4m3fn")  # ComfyUI's choice: storage only
 
 
 def _strip(tensors: dict[str, torch.Tensor], prefix: str, new_prefix: str = "") -> dict[str, torch.Tensor]:
