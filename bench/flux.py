@@ -215,6 +215,8 @@ def main() -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     bench_memory.GRAPHS[0] = args.cuda_graphs
     tiny = args.tiny or device.type == "cpu"
+    if tiny:
+        torch.set_num_threads(1)  # tiny kernels: OpenMP barriers only add noise on a shared CPU
     config = tiny_config() if tiny else flux_dev_config()
     side, tokens = (16, 32) if tiny else (args.side, args.text_tokens)
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -441,6 +441,10 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
                 elif not info.text_encoders:
                     _require(None, "te", reader.path)
                 sources += [(reader, config) for config in info.text_encoders]
+            if t5_sources and family not in (None, "flux"):
+                raise ValueError(f"a {family} text encoder takes no T5-XXL "
+                                 f"({', '.join(str(reader.path) for reader, *_ in t5_sources)}); "
+                                 f"T5-XXL is FLUX's: use type flux")
             if family == "flux" or t5_sources:
                 return _flux_text_encoder(sources, t5_sources, dtype, target)
             chosen = family or _family_of([config for _, config in sources])

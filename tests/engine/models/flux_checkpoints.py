@@ -76,7 +76,8 @@ def clip_l_state(seed: int = 2, dtype: torch.dtype = torch.float32) -> dict[str,
 
 def vae_state(seed: int = 3, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """FLUX's autoencoder layout (ae.safetensors): 16 latent channels, no quant_conv / post_quant_conv."""
-    shapes = vae_shapes(VAESpec(ch=32, ch_mult=(1, 2), num_res_blocks=1, z_channels=16, embed_dim=16), "")
+    spec = VAESpec(ch=32, ch_mult=(1, 1, 1, 1), num_res_blocks=1, z_channels=16, embed_dim=16)  # 8x
+    shapes = vae_shapes(spec, "")
     shapes = {k: v for k, v in shapes.items() if "quant_conv" not in k}
     return _random(shapes, seed, dtype)
 

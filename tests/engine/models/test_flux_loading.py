@@ -140,7 +140,7 @@ def test_all_in_one_checkpoint_gives_model_clip_and_vae(tmp_path):
     context, extras = conditioning[0]
     assert context.shape == (1, 256, T5_WIDTH) and extras["pooled_output"].shape == (1, 32)
     image = vae.decode(torch.randn(1, 16, 4, 4))
-    assert image.shape == (1, 8, 8, 3)  # the tiny VAE has two levels: 2x
+    assert image.shape == (1, 32, 32, 3)
 
 
 def test_dual_clip_loader_files_give_the_same_encoder_as_the_checkpoint(tmp_path):
@@ -183,9 +183,9 @@ def test_encode_flux_sets_the_guidance_and_reads_each_prompt_with_its_encoder(tm
 def test_flux_vae_file_loads_with_sixteen_channels(tmp_path):
     files = write_flux_files(tmp_path)
     vae = load_vae(files["vae"])
-    assert vae.latent_channels == 16 and vae.downscale == 2
-    latent = vae.encode(torch.rand(1, 8, 8, 3))
-    assert latent.shape == (1, 16, 4, 4)
+    assert vae.latent_channels == 16 and vae.downscale == 8
+    latent = vae.encode(torch.rand(1, 16, 24, 3))
+    assert latent.shape == (1, 16, 2, 3)
 
 
 # ---------------------------------------------------------------- bad files
