@@ -1,8 +1,13 @@
 """Root conftest: makes `tools` importable in tests (the embedded model's data generator lives there), and
-holds fixtures that test folders share."""
+holds fixtures that test folders share. The profile cache is off (SLUICE_CACHE=off, subprocesses included):
+a test measures its own profiles, and nothing is written to ~/.cache; tests of the cache give it a folder."""
+
+import os
 
 import pytest
 import torch
+
+os.environ["SLUICE_CACHE"] = "off"
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,8 @@
 Each path is resolved in this order: command-line flag > environment (`SLUICE_MODELS`, `SLUICE_OUTPUT`,
 `SLUICE_PLUGINS`) > settings file (JSON at `SLUICE_SETTINGS` or `~/.config/sluice/settings.json`) >
 default (`./models`, `./output`, no plugins). The models folder has ComfyUI's layout, so an existing
-ComfyUI models folder works as it is.
+ComfyUI models folder works as it is. The cache of measured probes and stage profiles
+(engine/memory/profile_cache.py) is at `cache_dir()`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
 PATH_KEYS = ("models_root", "output_dir", "plugins_dir")
 ENV_VARS = {"models_root": "SLUICE_MODELS", "output_dir": "SLUICE_OUTPUT", "plugins_dir": "SLUICE_PLUGINS"}
 DEFAULTS: dict[str, str | None] = {"models_root": "models", "output_dir": "output", "plugins_dir": None}
+CACHE_ENV = "SLUICE_CACHE"
+CACHE_OFF = "off"  # as SLUICE_CACHE or the settings file's cache_dir: no cache
 
 
 class SettingsError(ValueError):
@@ -164,6 +167,28 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
             raise SettingsError(f"settings file {path}: {key} must be a path string or null, "
                                 f"got {data[key]!r}")
     return data
+
+
+def cache_dir(env: Mapping[str, str] = os.environ, settings_file: str | Path | None = None) -> Path | None:
+    """The folder of the profile cache, or None when it is off: `SLUICE_CACHE` > the settings file's
+    `cache_dir` (relative to the file) > `$XDG_CACHE_HOME/sluice` > `~/.cache/sluice`. The value `off` (or
+    null in the file) turns the cache off."""
+    file = Path(settings_file).expanduser() if settings_file is not None else default_settings_file(env)
+    if env.get(CACHE_ENV):
+        value, base = env[CACHE_ENV], Path.cwd()
+    elif "cache_dir" in (stored := _read_settings_file(file)):
+        value, base = stored["cache_dir"], file.parent
+        if value is not None and not isinstance(value, str):
+            raise SettingsError(f"settings file {file}: cache_dir must be a path string, 'off' or null, "
+                                f"got {value!r}")
+    elif env.get("XDG_CACHE_HOME"):
+        value, base = str(Path(env["XDG_CACHE_HOME"]) / "sluice"), Path.cwd()
+    else:
+        value, base = str(Path.home() / ".cache" / "sluice"), Path.cwd()
+    if value is None or value.strip().lower() == CACHE_OFF:
+        return None
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path).absolute()
 
 
 def load_settings(models_root: str | Path | None = None, output_dir: str | Path | None = None,

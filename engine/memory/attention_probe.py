@@ -10,6 +10,8 @@ backend except FLASH_ATTENTION. "auto" is decided once per compute device and dt
   head size 128; four heads each) checks that flash matches ordinary (math) attention, warms both up, then
   alternates five synchronized measurements per shape (stopping new pairs after one second of measured
   time); flash is chosen when the sum of its median times is at least 5 % lower. Any failure selects off.
+  The GPU decision is kept in the profile cache (profile_cache.py): a later process reads it instead of
+  timing (a failed probe is not kept).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from engine.memory import profile_cache
+
 log = logging.getLogger("sluice.attention")
 
 PROBE_SHAPES = ((512, 64), (1024, 128))  # (tokens, head size), four heads each
@@ -32,6 +36,8 @@ PROBE_HEADS = 4
 MEASUREMENTS = 5
 MIN_GAIN = 0.05  # flash must be at least 5 % faster (sum of medians)
 MEASURE_LIMIT_S = 1.0
+PROBE = "flash_attention"  # the profile cache's name for this probe's decision
+PROBE_DETAILS = {"shapes": PROBE_SHAPES, "heads": PROBE_HEADS, "min_gain": MIN_GAIN}  # in its cache key
 WITHOUT_FLASH = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 _decisions: dict[tuple[str, torch.dtype], bool] = {}
@@ -118,16 +124,24 @@ def flash_attention_enabled(device: torch.device | str, mode: str = "auto",
     with _lock:
         if key in _decisions:
             return _decisions[key]
-        try:
-            enabled = _flash_runs(device, dtype)
-            reason = "the flash kernel runs the probe" if enabled else "flash output differs from ordinary"
-            if enabled and device.type != "cpu":
-                flash, ordinary = benchmark_flash(device, dtype)
-                enabled = flash <= (1 - MIN_GAIN) * ordinary
-                reason = (f"flash {flash * 1e3:.3f} ms vs ordinary {ordinary * 1e3:.3f} ms "
-                          f"(sum of medians over {len(PROBE_SHAPES)} shapes)")
-        except (RuntimeError, NotImplementedError) as error:  # unsupported kernel, allocation failure
-            enabled, reason = False, f"probe failed: {error}"
+        timed = device.type != "cpu"
+        cached = profile_cache.read_probe(PROBE, device, dtype, **PROBE_DETAILS) if timed else None
+        if isinstance(cached, bool):
+            enabled, reason = cached, "measured by an earlier process (profile cache)"
+        else:
+            try:
+                enabled = _flash_runs(device, dtype)
+                reason = ("the flash kernel runs the probe" if enabled
+                          else "flash output differs from ordinary")
+                if enabled and timed:
+                    flash, ordinary = benchmark_flash(device, dtype)
+                    enabled = flash <= (1 - MIN_GAIN) * ordinary
+                    reason = (f"flash {flash * 1e3:.3f} ms vs ordinary {ordinary * 1e3:.3f} ms "
+                              f"(sum of medians over {len(PROBE_SHAPES)} shapes)")
+                if timed:
+                    profile_cache.write_probe(PROBE, device, dtype, enabled, **PROBE_DETAILS)
+            except (RuntimeError, NotImplementedError) as error:  # unsupported kernel, allocation failure
+                enabled, reason = False, f"probe failed: {error}"  # not cached: it may pass next time
         _decisions[key] = enabled
     log.info("flash attention on %s (%s): %s; %s", device, dtype, "on" if enabled else "off", reason)
     return enabled

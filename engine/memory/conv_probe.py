@@ -12,7 +12,8 @@ than CUDA default to off; on CUDA a probe over two convolution shapes (a UNet's 
 channels, a VAE decoder's 3x3 at 256x256 with 128) checks that both settings agree, warms both up (the
 autotuning happens there), then alternates up to five synchronized measurements per shape (attention_probe's
 `interleaved_medians`); autotuning is chosen when the sum of its median times is at least 5 % lower. Any
-failure selects off.
+failure selects off. The decision is kept in the profile cache (profile_cache.py): a later process reads it
+instead of timing (a failed probe is not kept).
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from engine.memory import profile_cache
 from engine.memory.attention_probe import interleaved_medians
 
 log = logging.getLogger("sluice.conv")
 
 PROBE_SHAPES = ((2, 320, 64), (1, 128, 256))  # (batch, channels, side) of a 3x3 convolution
 MIN_GAIN = 0.05
+PROBE = "conv_direct"  # the profile cache's name for this probe's decision
+PROBE_DETAILS = {"shapes": PROBE_SHAPES, "min_gain": MIN_GAIN}  # in its cache key
 
 _decisions: dict[tuple[str, torch.dtype], bool] = {}
 _lock = threading.Lock()
@@ -63,14 +67,21 @@ def conv_direct_enabled(device: torch.device | str, mode: str = "auto", dtype: t
     key = (str(device), dtype)
     with _lock:
         if key not in _decisions:
+            cached = profile_cache.read_probe(PROBE, device, dtype, **PROBE_DETAILS)
+            if isinstance(cached, bool):
+                _decisions[key] = cached
+                log.info("--conv-direct auto on %s (%s): %s (measured by an earlier process, profile cache)",
+                         device, dtype, "on" if cached else "off")
+                return cached
             try:
                 tuned, heuristic = _benchmark(device, dtype)
                 _decisions[key] = tuned <= (1 - MIN_GAIN) * heuristic
                 log.info("--conv-direct auto on %s (%s): %s (autotuned %.3f ms vs heuristic %.3f ms)", device,
                          dtype, "on" if _decisions[key] else "off", tuned * 1e3, heuristic * 1e3)
+                profile_cache.write_probe(PROBE, device, dtype, _decisions[key], **PROBE_DETAILS)
             except Exception as error:  # noqa: BLE001 - reference/000: a failed probe selects off
                 log.info("--conv-direct auto on %s: probe failed (%s); off", device, error)
-                _decisions[key] = False
+                _decisions[key] = False  # not cached: it may pass next time
         return _decisions[key]
 
 

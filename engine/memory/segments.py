@@ -21,7 +21,9 @@ on a CPU), and the plan is remade with those times so streamed bytes follow comp
 call of a shape times the stages again and keeps each stage's lesser time: the first call's also hold
 one-time work (kernel loading, cuDNN autotuning, the attention backend probe), up to hundreds of
 milliseconds in one stage. Plans are cached per input shape, budget and
-workspace, and reused while they still fit.
+workspace, and reused while they still fit. A shape's measured profile (workspace, stage times and peaks) is
+kept in the profile cache on disk (profile_cache.py); a later process that finds it there plans its first
+call of the shape with it and times no call.
 
 CUDA graphs (`--cuda-graphs`, on by default on CUDA): once a call ran with the same input shape, plan,
 stream ring and weight residency as the call before it (nothing was copied in or evicted), the next call is
@@ -45,9 +47,10 @@ import torch
 
 from engine import telemetry
 from engine.devices import device_name
-from engine.memory import stream_model
+from engine.memory import profile_cache, stream_model
 from engine.memory.copy_flags import CopyFlags
 from engine.memory.ledger import RUN_REFRESH, BudgetExceeded, DeviceLedger
+from engine.memory.profile_cache import CachedProfile
 from engine.memory.segment_plan import Segment, SegmentPlan, plan_segments
 from engine.memory.stage_timing import (
     TIMED_CALLS,
@@ -112,12 +115,14 @@ class SegmentRunner:
         segmented: bool = True,
         bus: telemetry.EventBus | None = None,
         graphs: bool = True,
+        cache: profile_cache.ProfileCache | None = None,
     ) -> None:
         """Runs stage lists on `device` within `ledger`'s budget, with weights from `store`.
 
         `prefetch` False = streamed segments are copied just before they run, on the compute stream
         (reference/001 --disable-prefetch); `segmented` False = one segment always
-        (--disable-segmented-compute), failing when it does not fit after eviction.
+        (--disable-segmented-compute), failing when it does not fit after eviction. `cache` keeps stage
+        profiles across processes (default: the process's profile cache).
         """
         self.store = store
         self.ledger = ledger
@@ -148,6 +153,8 @@ class SegmentRunner:
         self._device_name = device_name(self.device)
         self._pinned: list[str] = []  # keys pinned while a resident segment computes
         self.profile: StageProfile | None = None  # the last measured shape's per-stage times and peaks
+        self._cache = profile_cache.default_cache() if cache is None else cache
+        self._profile_keys: dict[tuple, dict] = {}  # shape signature -> its cache key, while being timed
 
     def _stage_keys(self, stages: Sequence[Stage]) -> list[list[str]]:
         """The keys each stage reads: the last call's when the stages are the same objects (a model that
@@ -182,8 +189,10 @@ class SegmentRunner:
             module = self.store.module_of(first) if first is not None else "model"
         self.module = module
         signature = _shape_signature(state)
+        if signature not in self._workspace:
+            self._read_profile(stages, signature)
         first = signature not in self._workspace
-        measuring = self._timed.get(signature, 0) < (TIMED_CALLS if self.device.type == "cuda" else 1)
+        measuring = self._timed.get(signature, 0) < self._timed_calls()
         workspace = self._workspace.get(signature, 2 * largest_tensor_bytes(state))
         if first and self.device.type == "cuda":
             # the call that measures the workspace assumes it may take half of what the module can use,
@@ -233,7 +242,29 @@ class SegmentRunner:
             self._workspace[signature], self._seconds[signature] = workspace, seconds
             self._timed[signature] = self._timed.get(signature, 0) + 1
             self.profile = StageProfile(list(seconds), list(measurement.peaks))
+            if self._timed[signature] >= self._timed_calls() and signature in self._profile_keys:
+                measured = CachedProfile(workspace, list(seconds), list(measurement.peaks))
+                profile_cache.write_stage_profile(self._cache, self._profile_keys.pop(signature), measured)
         return state
+
+    def _timed_calls(self) -> int:
+        """The calls of an input shape that time its stages."""
+        return TIMED_CALLS if self.device.type == "cuda" else 1
+
+    def _read_profile(self, stages: Sequence[Stage], signature: tuple) -> None:
+        """Before the first call of a shape: adopt the profile an earlier process measured for it, as if this
+        one had timed it; else remember the key to store this process's measurement under."""
+        if not self._cache.enabled:
+            return
+        key = profile_cache.stage_profile_key(self.device, stages, signature, self._timed_calls())
+        cached = profile_cache.read_stage_profile(self._cache, key)
+        if cached is None:
+            self._profile_keys[signature] = key
+            return
+        self._workspace[signature], self._seconds[signature] = cached.workspace, list(cached.seconds)
+        self._timed[signature] = self._timed_calls()
+        self.profile = StageProfile(list(cached.seconds), list(cached.peaks))
+        log.debug("%s: stage profile of %s read from the profile cache", self.module, signature)
 
     # ------------------------------------------------------------------------------------------ graphs
 

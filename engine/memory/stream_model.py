@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.memory import profile_cache
 from engine.memory.copy_flags import CopyFlags
 
 if TYPE_CHECKING:  # segment_plan.py imports this module to choose between its plans
@@ -37,6 +38,7 @@ POLLED_SEGMENT_GAP = 2e-6
 # replay_trace_cuda_20261130_s13_time_share_sweep.log); the events' edges from the copy branch to the compute
 # branch do it: polled flags give 55 (bench/results/plan_replay_relays_cuda_20261130_s14.log)
 GRAPH_COPY_SHARE = 0.91
+PROBE = "pinned_copy_rate"  # the profile cache's name for copy_bandwidth's measurement
 PROBE_BYTES = 16 * 1024**2  # within 1% of a 256 MiB copy's rate on the H200 (bench/copy_rate.py)
 _BANDWIDTH: dict[int, float] = {}  # CUDA device index -> pinned host-to-device bytes per second
 
@@ -78,14 +80,21 @@ def call_rates(device: torch.device, graphs: bool) -> tuple[float | None, float]
 def copy_bandwidth(device: torch.device) -> float | None:
     """Pinned host-to-device bytes per second of a CUDA device, measured once per process (the best of
     three 16 MiB copies, into 16 MiB of device memory that the caching allocator keeps for later use, outside
-    any ledger); None for other devices, whose copies do not overlap compute."""
+    any ledger), or read from the profile cache where an earlier process measured it; None for other
+    devices, whose copies do not overlap compute."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _BANDWIDTH:
-        host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-        target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-        _BANDWIDTH[index] = pinned_copy_rate(host, target)
+        device = torch.device("cuda", index)
+        cached = profile_cache.read_probe(PROBE, device, torch.uint8, bytes=PROBE_BYTES)
+        if isinstance(cached, float) and cached > 0:
+            _BANDWIDTH[index] = cached
+        else:
+            host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+            target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+            _BANDWIDTH[index] = pinned_copy_rate(host, target)
+            profile_cache.write_probe(PROBE, device, torch.uint8, _BANDWIDTH[index], bytes=PROBE_BYTES)
     return _BANDWIDTH[index]
 
 

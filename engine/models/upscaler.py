@@ -3,6 +3,9 @@
 The file is read by our own checkpoint readers (safetensors; torch zips through the restricted unpickler),
 and spandrel detects the architecture and its hyper-parameters from the state dict alone. Images are run
 tile by tile (engine/tiling.py). The model is the memory runtime's module `upscaler` (aliases esrgan, hires).
+
+spandrel (and the torchvision it imports, about a second) is imported when an upscaler is loaded, not with
+this module, so the rest of Sluice starts fast and runs without it.
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import spandrel
 import torch
 
 from engine.devices import device_name, resolve_device
 from engine.models.formats import open_checkpoint
 from engine.tiling import DEFAULT_OVERLAP, DEFAULT_TILE, MIN_TILE, run_tiled_with_retry
+
+if TYPE_CHECKING:
+    import spandrel
 
 MEMORY_MODULE = "upscaler"
 RGB_CHANNELS = 3
@@ -26,9 +33,23 @@ class UpscalerError(ValueError):
     """An upscaler file whose architecture spandrel does not know, or that is not an image-to-image model."""
 
 
+class MissingPackageError(ImportError):
+    """An optional package that a node needs is not installed; the message says how to install it."""
+
+
+def import_spandrel() -> ModuleType:
+    """The spandrel module, imported now; MissingPackageError when it is not installed."""
+    try:
+        import spandrel
+    except ImportError as error:
+        raise MissingPackageError(f"upscale models need the Python package 'spandrel', which is not "
+                                  f"installed ({error}); install it with: pip install spandrel") from None
+    return spandrel
+
+
 def supported_architectures() -> list[str]:
     """The architecture names spandrel can detect, in its registry order."""
-    return [support.architecture.name for support in spandrel.MAIN_REGISTRY.architectures()]
+    return [support.architecture.name for support in import_spandrel().MAIN_REGISTRY.architectures()]
 
 
 @dataclass
@@ -92,6 +113,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_upscale_model(path: str | Path, device: str = "auto") -> UpscaleModel:
     """An upscaler file -> UpscaleModel on `device` (a Sluice device name, or auto)."""
+    spandrel = import_spandrel()
     path = Path(path)
     state_dict = read_state_dict(path)
     try:

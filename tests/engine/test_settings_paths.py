@@ -8,6 +8,7 @@ from engine.settings import (
     MODEL_FOLDERS,
     Settings,
     SettingsError,
+    cache_dir,
     load_settings,
     resources_dir,
     save_settings,
@@ -174,3 +175,18 @@ def test_output_prefix_through_a_symlink_leaving_the_folder_is_rejected(settings
     with pytest.raises(SettingsError, match="'link/sub/img'"):
         settings.output_path("link/sub/img", "png")
     assert not (outside / "sub").exists()  # nothing was created outside
+
+
+def test_cache_dir_from_environment_file_xdg_or_home_and_off(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(Path, "home", lambda: tmp_path / "home")
+    missing = tmp_path / "absent.json"
+    assert cache_dir(env={}, settings_file=missing) == tmp_path / "home" / ".cache" / "sluice"
+    assert cache_dir(env={"XDG_CACHE_HOME": "/xdg"}, settings_file=missing) == Path("/xdg/sluice")
+    file = write_settings_file(tmp_path / "s.json", cache_dir="cache")
+    assert cache_dir(env={"XDG_CACHE_HOME": "/xdg"}, settings_file=file) == tmp_path / "cache"  # by the file
+    assert cache_dir(env={"SLUICE_CACHE": "/env/cache"}, settings_file=file) == Path("/env/cache")
+    assert cache_dir(env={"SLUICE_CACHE": "off"}, settings_file=file) is None
+    assert cache_dir(env={}, settings_file=write_settings_file(tmp_path / "n.json", cache_dir=None)) is None
+    with pytest.raises(SettingsError, match="cache_dir must be a path string, 'off' or null, got 3"):
+        cache_dir(env={}, settings_file=write_settings_file(tmp_path / "b.json", cache_dir=3))
