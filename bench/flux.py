@@ -1,17 +1,15 @@
-"""FLUX.1-dev: the transformer's step time against peak memory over a sweep of budgets, beside diffusers, and
-whole generations (T5-XXL + CLIP-L, 20 steps, VAE decode) resident and within a budget.
+"""FLUX.1-dev: the transformer's step time against peak memory over a sweep of budgets, beside diffusers
+(whole generations: bench/flux_e2e.py).
 
     python3 bench/flux.py                  # on a GPU: full size, random bf16 weights, 1024x1024, batch 1
     python3 bench/flux.py --tiny           # a CPU smoke run of the same program on a tiny FLUX-shaped model
-    python3 bench/flux.py --e2e            # also the whole 20-step generation, resident and at --e2e-budget
 
 Rows as bench/memory.py (whose helpers this uses): our runtime resident, then weights in pinned RAM under
 budgets from the smallest feasible (the largest block plus the workspace) to everything resident, plus
 diffusers' block-level streaming peak; diffusers' FluxTransformer2DModel resident and with group offloading
 (block level, one block per group, streamed), when diffusers is importable. Each point: median step (CUDA
 events), peak allocated and reserved GiB, GiB copied per step, the physical line and the floor of any plan
-(engine/memory/stream_model.py). With --e2e: seconds per whole generation (text encoding, sampling, decode)
-through Sluice's bundles and sampler, and diffusers' FluxPipeline with model CPU offload.
+(engine/memory/stream_model.py).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import gc
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -150,7 +148,9 @@ def bench_transformer(name: str, config: FluxConfig, inputs: tuple, dtype: torch
     print(format_table(rows), flush=True)
     extra = [DIFFUSERS_BLOCK_PEAK] if device.type == "cuda" else []
     extra += [int(r.peak_gib * GIB) for r in theirs if "offload" in r.mode and r.peak_gib == r.peak_gib]
-    for budget in budgets(max(sizes), total, workspace, args.budgets, extra):
+    # the lowest point: the largest stage and the resident run's workspace, with room for the few MiB by
+    # which a budgeted call's measured workspace varies
+    for budget in budgets(max(sizes), total, workspace + 8 * MIB, args.budgets, extra):
         mode = f"sluice pinned RAM, budget {budget / MIB:.1f} MiB"
         try:
             ms, peak, reserved, copied, segments, *_ = sluice_run(build, weights, inputs, device, "cpu",
@@ -185,15 +185,6 @@ def check_targets(rows: list[Row]) -> list[str]:
                 lines.append(f"{model}: at {best.budget_gib:.3f} GiB (diffusers block-level peak "
                              f"{block.peak_gib:.3f}): {best.step_ms:.1f} ms vs {block.step_ms:.1f} ms")
     return lines
-
-
-@dataclass
-class GenerationRow:
-    system: str
-    mode: str
-    seconds: float
-    peak_gib: float
-    reserved_gib: float
 
 
 def main() -> int:

@@ -71,6 +71,13 @@ GRAPH_KEY = "cuda_graph"  # the memory pool of a captured call, tracked as a wor
 log = logging.getLogger("sluice.memory")
 
 
+def graph_io_bytes(state: State) -> int:
+    """Device bytes a captured call holds beyond the workspace its eager calls measure: its static copy of
+    the input tensors, and the copy of its output it hands back (taken as large as the largest input)."""
+    sizes = [aligned(t.numel() * t.element_size()) for t in tensors_of(state) if t.device.type == "cuda"]
+    return sum(sizes) + max(sizes, default=0)
+
+
 def _clone_state(value: Any) -> Any:
     """`value` with every tensor cloned (a graph's outputs are overwritten by its next replay)."""
     if isinstance(value, torch.Tensor):
@@ -202,6 +209,8 @@ class SegmentRunner:
             largest = max((sum(aligned(self.store.nbytes(k)) for k in keys if self.store.home(k) != "device")
                            for keys in stage_keys), default=0)
             workspace = max(workspace, min(capacity // 2, capacity - largest))
+        if self.graphs and self.device.type == "cuda":
+            workspace += graph_io_bytes(state)
         plan = self._plan_for(stages, stage_keys, workspace, signature)
         if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
             return self._run_eager(plan, stages, state, signature, measuring)

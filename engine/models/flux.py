@@ -3,12 +3,15 @@
 Parameter names are the keys of BFL's released files (and ComfyUI's) without their `model.diffusion_model.`
 prefix, so a checkpoint binds directly (engine/models/weights.py); engine/models/flux_keys.py maps the
 diffusers layout onto them. The forward pass is a list of stages (engine/models/staged.py): "embed" (the
-image, timestep, pooled-text, guidance and text embedders and the RoPE table), one stage per double-stream
-block ("double_blocks.N"), one per single-stream block ("single_blocks.N"), then "final" (the last layer
-and unpatchify). The state they share holds "img" (image tokens; from the first single block on, text and
-image tokens joined), "txt" (text tokens, until joined; then "txt_len"), "vec" (the modulation vector),
-"pe" (the RoPE table, shared by the batch), and "size", "grid", "dtype" to put the latent back together;
-the final stage leaves the velocity in "h".
+image, timestep, pooled-text, guidance and text embedders and the RoPE table), two per double-stream block
+("double_blocks.N.attn": modulations and joint attention, "double_blocks.N.mlp": the MLPs), two per
+single-stream block ("single_blocks.N.in": modulation, linear1 and attention, "single_blocks.N.out":
+linear2), then "final" (the last layer and unpatchify): half blocks let a tight budget double-buffer.
+The state they share holds "img" (image tokens; from the first single block on, text and image tokens
+joined), "txt" (text tokens, until joined; then "txt_len"), "vec" (the modulation vector), "pe" (the RoPE
+rotations, shared by the batch), between two halves "img_mod2" / "txt_mod2" (the MLPs' modulation) or
+"hidden" / "gate" (a single block's attention and MLP activations), and "size", "grid", "dtype" to put the
+latent back together; the final stage leaves the velocity in "h".
 
 Precision follows ComfyUI: activations run in the model's `dtype` (bf16 on a GPU); the q/k RMSNorms and
 the rotary embedding compute in float32, the rotation angles in float64. Every matrix is a plain
@@ -91,7 +94,8 @@ def flux_timestep_embedding(t: torch.Tensor) -> torch.Tensor:
 
 
 def rope_table(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: int) -> torch.Tensor:
-    """(L, axes) token positions -> (L, head_dim / 2, 2) float32 (cos, sin) of each channel pair's angle.
+    """(L, axes) token positions -> (L, head_dim / 2, 2, 2) float32 rotation of each channel pair: column 0
+    is what x0 turns into, (cos, sin), column 1 what x1 turns into, (-sin, cos).
 
     Axis i's positions turn its axes_dim[i] / 2 channel pairs at frequencies theta^(-2j / axes_dim[i])
     (Su et al. 2021, per axis); the angles are computed in float64 where the device has it.
@@ -102,24 +106,39 @@ def rope_table(ids: torch.Tensor, axes_dim: tuple[int, ...], theta: int) -> torc
         omega = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=wide, device=ids.device) / dim)  # (dim / 2,)
         angles.append(ids[:, axis].to(wide)[:, None] * omega[None])  # (L, dim / 2)
     angle = torch.cat(angles, dim=-1)  # (L, head_dim / 2)
-    return torch.stack([angle.cos(), angle.sin()], dim=-1).float()
+    cos, sin = angle.cos(), angle.sin()
+    return torch.stack([cos, sin, -sin, cos], dim=-1).view(*angle.shape, 2, 2).transpose(-1, -2).float()
 
 
 def apply_rope(x: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-    """Rotate each channel pair (x0, x1) of x (B, H, L, D) by its angle in pe (L, D / 2, 2), in float32."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # (B, H, L, D / 2, 2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    cos, sin = pe[..., 0], pe[..., 1]  # (L, D / 2)
-    rotated = torch.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], dim=-1)  # (B, H, L, D / 2, 2)
-    return rotated.flatten(-2).type_as(x)
+    """Rotate each channel pair (x0, x1) of tokens-first x (B, L, H, D) by pe (L, D / 2, 2, 2), in float32:
+    x0 * pe[..., 0] + x1 * pe[..., 1] in two passes (a product, then a fused multiply-add)."""
+    pairs = x.float().unflatten(-1, (-1, 1, 2))  # (B, L, H, D / 2, 1, 2)
+    rotation = pe[:, None]  # (L, 1, D / 2, 2, 2)
+    rotated = rotation[..., 0] * pairs[..., 0]  # (B, L, H, D / 2, 2)
+    return rotated.addcmul_(rotation[..., 1], pairs[..., 1]).flatten(-2)  # (B, L, H, D) float32
 
 
-def rope_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-    """Attention over heads-first q, k, v (B, H, L, D) with RoPE on q and k -> (B, L, H * D).
+def joint_attention(streams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    pe: torch.Tensor) -> torch.Tensor:
+    """Attention over the tokens of every stream, joined in order, RoPE on q and k -> (B, sum L, H * D).
 
-    SDPA directly: engine.models.attention takes (B, L, H * D) and the heads are already split here.
+    Each stream's q, k, v are tokens-first (B, L, H, D); the rotated q, k and the v of each stream are
+    written once into joint buffers (no concatenation pass), which SDPA reads heads-first through a view.
     """
-    out = F.scaled_dot_product_attention(apply_rope(q, pe), apply_rope(k, pe), v)  # (B, H, L, D)
+    batch, _, heads, head_dim = streams[0][2].shape
+    total = sum(v.shape[1] for _, _, v in streams)
+    like = streams[0][2]
+    q_all, k_all, v_all = (like.new_empty(batch, total, heads, head_dim) for _ in range(3))
+    start = 0
+    for q, k, v in streams:
+        rows = slice(start, start + v.shape[1])
+        q_all[:, rows].copy_(apply_rope(q, pe[rows]))
+        k_all[:, rows].copy_(apply_rope(k, pe[rows]))
+        v_all[:, rows].copy_(v)
+        start = rows.stop
+    out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
+                                         v_all.transpose(1, 2))  # (B, H, L, D)
     return out.transpose(1, 2).flatten(2)  # (B, L, H * D)
 
 
@@ -136,16 +155,14 @@ class MLPEmbedder(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) with statistics in float32, eps 1e-6."""
+    """Root-mean-square norm (Zhang & Sennrich 2019), eps 1e-6, in the input's dtype as ComfyUI's."""
 
     def __init__(self, dim: int, **factory):
         super().__init__()
         self.scale = nn.Parameter(torch.empty(dim, **factory))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.float()
-        normed = wide * torch.rsqrt(torch.mean(wide * wide, dim=-1, keepdim=True) + 1e-6)
-        return normed.to(x.dtype) * self.scale.to(x.dtype)
+        return F.rms_norm(x, self.scale.shape, self.scale.to(x.dtype), 1e-6)  # float32 statistics inside
 
 
 class QKNorm(nn.Module):
@@ -156,8 +173,8 @@ class QKNorm(nn.Module):
         self.query_norm = RMSNorm(head_dim, **factory)
         self.key_norm = RMSNorm(head_dim, **factory)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.query_norm(q).to(v), self.key_norm(k).to(v)
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.query_norm(q), self.key_norm(k)
 
 
 class SelfAttention(nn.Module):
@@ -170,11 +187,11 @@ class SelfAttention(nn.Module):
         self.norm = QKNorm(dim // heads, **factory)
         self.proj = nn.Linear(dim, dim, **factory)
 
-    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, L, C) -> normed q, k and v, each (B, H, L, C / H)."""
+    def qkv_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, L, C) -> normed q, k and v, each tokens-first (B, L, H, C / H)."""
         batch, length, _ = x.shape
-        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        q, k = self.norm(q, k, v)
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, -1).unbind(2)
+        q, k = self.norm(q, k)
         return q, k, v
 
 
@@ -190,8 +207,13 @@ class Modulation(nn.Module):
         return self.lin(F.silu(vec))[:, None, :].chunk(self.count, dim=-1)  # each (B, 1, C)
 
 
-def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (1 + scale) * x + shift
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """LayerNorm without affine (eps 1e-6), then (1 + scale) * . + shift; shift, scale (B, 1, C). For one
+    batch item the modulation is the norm's own affine: one pass instead of three."""
+    width = x.shape[-1]
+    if x.shape[0] == 1:
+        return F.layer_norm(x, (width,), (1 + scale).view(width), shift.view(width), 1e-6)
+    return torch.addcmul(shift, F.layer_norm(x, (width,), eps=1e-6), 1 + scale)
 
 
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -205,42 +227,50 @@ def _mlp(hidden_size: int, mlp_hidden: int, **factory) -> nn.Sequential:
 
 
 class DoubleStreamBlock(nn.Module):
-    """MM-DiT block (Esser et al. 2024): image and text keep their own weights and attend jointly."""
+    """MM-DiT block (Esser et al. 2024): image and text keep their own weights and attend jointly. Its two
+    halves (the attention with the modulations, then the MLPs) are stages of their own."""
 
     def __init__(self, config: FluxConfig, **factory):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_heads
         self.img_mod = Modulation(hidden, double=True, **factory)
-        self.img_norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
         self.img_attn = SelfAttention(hidden, heads, config.qkv_bias, **factory)
-        self.img_norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
         self.img_mlp = _mlp(hidden, config.mlp_hidden, **factory)
         self.txt_mod = Modulation(hidden, double=True, **factory)
-        self.txt_norm1 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
         self.txt_attn = SelfAttention(hidden, heads, config.qkv_bias, **factory)
-        self.txt_norm2 = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
         self.txt_mlp = _mlp(hidden, config.mlp_hidden, **factory)
+
+    def attention_half(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple]:
+        """img (B, L, C), txt (B, T, C), vec (B, C), pe (T + L, D / 2, 2, 2) -> img, txt after the joint
+        attention, and each stream's MLP modulation (shift, scale, gate), each (B, 1, C)."""
+        img_shift1, img_scale1, img_gate1, *img_mod2 = self.img_mod(vec)
+        txt_shift1, txt_scale1, txt_gate1, *txt_mod2 = self.txt_mod(vec)
+        img_qkv = self.img_attn.qkv_tokens(modulated_norm(img, img_shift1, img_scale1))
+        txt_qkv = self.txt_attn.qkv_tokens(modulated_norm(txt, txt_shift1, txt_scale1))
+        attn = joint_attention([txt_qkv, img_qkv], pe)  # (B, T + L, C), text first
+        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
+        img = torch.addcmul(img, img_gate1, self.img_attn.proj(img_attn))
+        txt = torch.addcmul(txt, txt_gate1, self.txt_attn.proj(txt_attn))
+        return img, txt, tuple(img_mod2), tuple(txt_mod2)
+
+    def mlp_half(self, img: torch.Tensor, txt: torch.Tensor, img_mod2: tuple, txt_mod2: tuple,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        img_shift2, img_scale2, img_gate2 = img_mod2
+        txt_shift2, txt_scale2, txt_gate2 = txt_mod2
+        img = torch.addcmul(img, img_gate2, self.img_mlp(modulated_norm(img, img_shift2, img_scale2)))
+        txt = torch.addcmul(txt, txt_gate2, self.txt_mlp(modulated_norm(txt, txt_shift2, txt_scale2)))
+        return img, _clip_fp16(txt)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, vec: torch.Tensor,
                 pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """img (B, L, C), txt (B, T, C), vec (B, C), pe (T + L, D / 2, 2) -> new img, txt."""
-        img_shift1, img_scale1, img_gate1, img_shift2, img_scale2, img_gate2 = self.img_mod(vec)
-        txt_shift1, txt_scale1, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = self.txt_mod(vec)
-        img_q, img_k, img_v = self.img_attn.qkv_heads(_modulate(self.img_norm1(img), img_shift1, img_scale1))
-        txt_q, txt_k, txt_v = self.txt_attn.qkv_heads(_modulate(self.txt_norm1(txt), txt_shift1, txt_scale1))
-        attn = rope_attention(torch.cat((txt_q, img_q), dim=2), torch.cat((txt_k, img_k), dim=2),
-                              torch.cat((txt_v, img_v), dim=2), pe)  # (B, T + L, C), text first
-        txt_attn, img_attn = attn[:, : txt.shape[1]], attn[:, txt.shape[1] :]
-
-        img = img + img_gate1 * self.img_attn.proj(img_attn)
-        img = img + img_gate2 * self.img_mlp(_modulate(self.img_norm2(img), img_shift2, img_scale2))
-        txt = txt + txt_gate1 * self.txt_attn.proj(txt_attn)
-        txt = txt + txt_gate2 * self.txt_mlp(_modulate(self.txt_norm2(txt), txt_shift2, txt_scale2))
-        return img, _clip_fp16(txt)
+        """img (B, L, C), txt (B, T, C), vec (B, C), pe (T + L, D / 2, 2, 2) -> new img, txt."""
+        return self.mlp_half(*self.attention_half(img, txt, vec, pe))
 
 
 class SingleStreamBlock(nn.Module):
-    """Parallel attention and MLP over the joined tokens (Dehghani et al. 2023's ViT-22B block)."""
+    """Parallel attention and MLP over the joined tokens (Dehghani et al. 2023's ViT-22B block). Its two
+    halves (modulation, linear1 and attention; then linear2) are stages of their own."""
 
     def __init__(self, config: FluxConfig, **factory):
         super().__init__()
@@ -250,19 +280,26 @@ class SingleStreamBlock(nn.Module):
         self.linear1 = nn.Linear(hidden, hidden * 3 + self.mlp_hidden, **factory)  # qkv and MLP in
         self.linear2 = nn.Linear(hidden + self.mlp_hidden, hidden, **factory)  # attention out and MLP out
         self.norm = QKNorm(config.head_dim, **factory)
-        self.pre_norm = nn.LayerNorm(hidden, elementwise_affine=False, eps=1e-6, **factory)
         self.modulation = Modulation(hidden, double=False, **factory)
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
-        """x (B, T + L, C), vec (B, C), pe (T + L, D / 2, 2) -> new x."""
+    def in_half(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T + L, C), vec (B, C), pe (T + L, D / 2, 2, 2) -> (attention out ++ GELU of the MLP in,
+        (B, T + L, C + mlp_hidden); the gate (B, 1, C))."""
         batch, length, hidden = x.shape
         shift, scale, gate = self.modulation(vec)
-        qkv, mlp = self.linear1(_modulate(self.pre_norm(x), shift, scale)).split(
+        qkv, mlp = self.linear1(modulated_norm(x, shift, scale)).split(
             [3 * hidden, self.mlp_hidden], dim=-1)  # (B, T + L, 3C), (B, T + L, mlp_hidden)
-        q, k, v = qkv.view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each (B, H, T + L, D)
-        q, k = self.norm(q, k, v)
-        out = self.linear2(torch.cat((rope_attention(q, k, v, pe), F.gelu(mlp, approximate="tanh")), dim=2))
-        return _clip_fp16(x + gate * out)
+        q, k, v = qkv.view(batch, length, 3, self.heads, -1).unbind(2)  # each (B, T + L, H, D)
+        q, k = self.norm(q, k)
+        return torch.cat((joint_attention([(q, k, v)], pe), F.gelu(mlp, approximate="tanh")), dim=2), gate
+
+    def out_half(self, x: torch.Tensor, hidden: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return _clip_fp16(torch.addcmul(x, gate, self.linear2(hidden)))
+
+    def forward(self, x: torch.Tensor, vec: torch.Tensor, pe: torch.Tensor) -> torch.Tensor:
+        """x (B, T + L, C), vec (B, C), pe (T + L, D / 2, 2, 2) -> new x."""
+        return self.out_half(x, *self.in_half(x, vec, pe))
 
 
 class LastLayer(nn.Module):
@@ -270,13 +307,12 @@ class LastLayer(nn.Module):
 
     def __init__(self, hidden_size: int, out_channels: int, **factory):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6, **factory)
         self.linear = nn.Linear(hidden_size, out_channels, **factory)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, **factory))
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)  # each (B, C)
-        return self.linear(_modulate(self.norm_final(x), shift[:, None, :], scale[:, None, :]))
+        return self.linear(modulated_norm(x, shift[:, None, :], scale[:, None, :]))
 
 
 def pad_to_patches(x: torch.Tensor, patch: int) -> torch.Tensor:
@@ -376,10 +412,14 @@ class FluxTransformer(StagedModel):
         if self.guidance_in is not None:
             embedders.insert(3, self.guidance_in)
         stages = [Stage("embed", tuple(embedders), self._embed)]
-        stages += [Stage(f"double_blocks.{i}", (block,), _double_runner(block))
-                   for i, block in enumerate(self.double_blocks)]
-        stages += [Stage(f"single_blocks.{i}", (block,), _single_runner(block, joins_streams=i == 0))
-                   for i, block in enumerate(self.single_blocks)]
+        for i, block in enumerate(self.double_blocks):
+            stages += [Stage(f"double_blocks.{i}.attn", (block.img_mod, block.txt_mod, block.img_attn,
+                                                          block.txt_attn), _double_attention(block)),
+                       Stage(f"double_blocks.{i}.mlp", (block.img_mlp, block.txt_mlp), _double_mlp(block))]
+        for i, block in enumerate(self.single_blocks):
+            stages += [Stage(f"single_blocks.{i}.in", (block.modulation, block.linear1, block.norm),
+                             _single_in(block, joins_streams=i == 0)),
+                       Stage(f"single_blocks.{i}.out", (block.linear2,), _single_out(block))]
         joined = len(self.single_blocks) > 0
         stages.append(Stage("final", (self.final_layer,), self._final_runner(joined)))
         return stages
@@ -400,7 +440,7 @@ class FluxTransformer(StagedModel):
         context = state.pop("context")
         state["txt"] = self.txt_in(context.to(self.dtype))  # (B, T, C)
         positions = token_positions(context.shape[1], rows, cols, x.device)  # (T + rows * cols, 3)
-        state["pe"] = rope_table(positions, c.axes_dim, c.theta)  # (T + rows * cols, D / 2, 2)
+        state["pe"] = rope_table(positions, c.axes_dim, c.theta)  # (T + rows * cols, D / 2, 2, 2)
         return state
 
     def _final_runner(self, joined: bool) -> Callable[[State], State]:
@@ -421,21 +461,37 @@ class FluxTransformer(StagedModel):
         return run
 
 
-def _double_runner(block: DoubleStreamBlock) -> Callable[[State], State]:
+def _double_attention(block: DoubleStreamBlock) -> Callable[[State], State]:
     def run(state: State) -> State:
-        state["img"], state["txt"] = block(state["img"], state["txt"], state["vec"], state["pe"])
+        state["img"], state["txt"], state["img_mod2"], state["txt_mod2"] = block.attention_half(
+            state["img"], state["txt"], state["vec"], state["pe"])
         return state
     return run
 
 
-def _single_runner(block: SingleStreamBlock, joins_streams: bool) -> Callable[[State], State]:
-    """A single block's stage; the first one joins the text and image tokens (text first)."""
+def _double_mlp(block: DoubleStreamBlock) -> Callable[[State], State]:
+    def run(state: State) -> State:
+        state["img"], state["txt"] = block.mlp_half(state["img"], state["txt"], state.pop("img_mod2"),
+                                                    state.pop("txt_mod2"))
+        return state
+    return run
+
+
+def _single_in(block: SingleStreamBlock, joins_streams: bool) -> Callable[[State], State]:
+    """A single block's first half; the first one joins the text and image tokens (text first)."""
     def run(state: State) -> State:
         if joins_streams:
             txt = state.pop("txt")
             state["txt_len"] = txt.shape[1]
             state["img"] = torch.cat((txt, state["img"]), dim=1)  # (B, T + L, C)
-        state["img"] = block(state["img"], state["vec"], state["pe"])
+        state["hidden"], state["gate"] = block.in_half(state["img"], state["vec"], state["pe"])
+        return state
+    return run
+
+
+def _single_out(block: SingleStreamBlock) -> Callable[[State], State]:
+    def run(state: State) -> State:
+        state["img"] = block.out_half(state["img"], state.pop("hidden"), state.pop("gate"))
         return state
     return run
 

@@ -182,8 +182,9 @@ def test_stages_run_bit_identically_to_forward(guidance_embed: bool):
     randomize(model, seed=3)
     args = inputs(config, 7, 6)
     stages = model.stages()
-    assert [stage.name for stage in stages] == ["embed", "double_blocks.0", "double_blocks.1",
-                                                "single_blocks.0", "single_blocks.1", "final"]
+    assert [stage.name for stage in stages] == [
+        "embed", "double_blocks.0.attn", "double_blocks.0.mlp", "double_blocks.1.attn", "double_blocks.1.mlp",
+        "single_blocks.0.in", "single_blocks.0.out", "single_blocks.1.in", "single_blocks.1.out", "final"]
     owned = [id(p) for stage in stages for p in stage.parameters()]
     assert sorted(owned) == sorted(id(p) for p in model.parameters())  # each parameter in exactly one stage
     with torch.no_grad():
