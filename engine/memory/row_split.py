@@ -9,7 +9,8 @@ output's reduction, so the result equals the unsharded layer's up to the matmul 
 Sharded weights are resident on their devices for good (split weights load synchronously, without the
 segment prefetch); the bias stays an ordinary parameter of the module, so the main device's weight store owns
 it with the rest of the model. Which linears: every `nn.Linear` inside a block list, an `nn.ModuleList`
-attribute named in `BLOCK_LISTS` (the UNet's `transformer_blocks`, CLIP's `layers` or `resblocks`).
+attribute named in `BLOCK_LISTS` (the UNet's `transformer_blocks`, CLIP's `layers` or `resblocks`, FLUX's
+`double_blocks` and `single_blocks`, T5's `block`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK_LISTS = ("transformer_blocks", "layers", "resblocks")
+BLOCK_LISTS = ("transformer_blocks", "layers", "resblocks", "double_blocks", "single_blocks", "block")
 
 Source = Callable[[str], torch.Tensor]  # parameter name -> tensor (a checkpoint reader)
 Reserve = Callable[[int, str, int], None]  # (device index in the list, slice name, bytes) before allocating

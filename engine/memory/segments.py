@@ -291,6 +291,9 @@ class SegmentRunner:
         if self.prefetch and any(s.streamed for s in plan.segments) and CopyFlags.available(self.device):
             flags = CopyFlags(len(plan.segments), self.device)
         torch.cuda.synchronize(self.device)
+        # the eager calls before left freed blocks in the caching allocator; the graph's pool is new memory,
+        # so hand those back first: what nvidia-smi shows (reserved) then stays near the budget
+        torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         unsubscribe = self.bus.subscribe(record)
         copies_before = self.store.copies

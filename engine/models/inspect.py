@@ -9,6 +9,8 @@ from typing import Any
 from engine.models.detect import detect
 from engine.models.formats import open_checkpoint
 
+VARIANTS = {"flux_dev": "FLUX.1 dev: guidance-distilled", "flux_schnell": "FLUX.1 schnell: timestep-distilled"}
+
 
 def inspect_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Family, components, configs (as dicts), per-component parameters, dtypes and bytes; no weights read."""
@@ -68,6 +70,12 @@ def format_inspection(info: dict[str, Any]) -> str:
     lines.append("")
     if info["unet"]:
         lines += _config_lines("UNet", info["unet"])
+    if info["flux"]:
+        variant = VARIANTS.get(info["family"], info["family"])
+        lines += _config_lines(f"FLUX transformer ({variant}, {info['flux_layout']} keys, "
+                               f"{info['stats']['diffusion']['parameters']:,} parameters)", info["flux"])
+    if info["t5"]:
+        lines += _config_lines(f"T5 encoder (under {info['t5_prefix'] or 'bare keys'})", info["t5"])
     if info["vae"]:
         lines += _config_lines("VAE", info["vae"])
     for index, text in enumerate(info["text_encoders"]):

@@ -229,12 +229,14 @@ class T5GatedFeedForward(nn.Module):
         self.wi_0 = _linear(config.d_model, config.d_ff, dtype, device)
         self.wi_1 = _linear(config.d_model, config.d_ff, dtype, device)
         self.wo = _linear(config.d_ff, config.d_model, dtype, device)
+        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, linear = self.wi_0(x), self.wi_1(x)  # (B, T, d_ff)
-        if self.wo.weight.dtype == torch.float16:  # the product and W_o's output outgrow float16
+        weight = getattr(self.wo, "weight", None)  # None once a row split has sharded W_o
+        if self.dtype == torch.float16 and weight is not None:  # the product and W_o's output outgrow fp16
             hidden = F.gelu(gate.float(), approximate="tanh") * linear.float()
-            return F.linear(hidden, self.wo.weight.float())  # (B, T, W) float32
+            return F.linear(hidden, weight.float())  # (B, T, W) float32
         return self.wo(F.gelu(gate, approximate="tanh") * linear)  # (B, T, W)
 
 
@@ -264,7 +266,7 @@ class T5Block(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         attention, feed_forward = self.layer
-        dtype = attention.SelfAttention.q.weight.dtype
+        dtype = attention.layer_norm.weight.dtype  # the weights' (norms are never row-sharded)
         x = x + attention.SelfAttention(attention.layer_norm(x).to(dtype), bias).float()
         x = x + feed_forward.DenseReluDense(feed_forward.layer_norm(x).to(dtype)).float()
         return x  # (B, T, W) float32
@@ -316,7 +318,7 @@ class T5Encoder(StagedModel):
         buckets = relative_position_buckets(length, length, config.relative_attention_num_buckets,
                                             config.relative_attention_max_distance, state["tokens"].device)
         bias = attention.relative_attention_bias(buckets).permute(2, 0, 1)[None]  # (1, heads, T, T)
-        dtype = attention.q.weight.dtype
+        dtype = attention.relative_attention_bias.weight.dtype
         bias = bias.to(dtype)
         mask = state["attention_mask"]
         if mask is not None:

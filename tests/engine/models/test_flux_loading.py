@@ -231,3 +231,18 @@ def test_fp8_transformer_file_loads_upcast(tmp_path):
     model = load_diffusion_model(path)
     rounded = {k: v.to(torch.float8_e4m3fn).float() for k, v in state.items()}
     torch.testing.assert_close(model.apply(*_inputs()), _reference_output(rounded), rtol=1e-5, atol=1e-6)
+
+
+def test_inspect_names_the_variant_the_parameter_count_and_each_component(tmp_path):
+    from engine.models.inspect import format_inspection, inspect_file
+
+    files = write_flux_files(tmp_path)
+    info = inspect_file(files["checkpoint"])
+    assert info["family"] == "flux_dev" and set(info["components"]) == {"diffusion", "te", "vae"}
+    transformer = sum(t.numel() for t in flux_state().values())
+    assert info["stats"]["diffusion"]["parameters"] == transformer
+    text = format_inspection(info)
+    assert f"FLUX transformer (FLUX.1 dev: guidance-distilled, bfl keys, {transformer:,} parameters)" in text
+    assert "T5 encoder (under text_encoders.t5xxl.transformer.)" in text and "guidance_embed" in text
+    schnell = format_inspection(inspect_file(write_flux_files(tmp_path / "s", dev=False)["diffusion"]))
+    assert "FLUX.1 schnell: timestep-distilled" in schnell

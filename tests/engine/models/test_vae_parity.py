@@ -194,3 +194,44 @@ def test_full_size_sd_vae_on_meta_matches_diffusers_parameter_count_and_keys():
     converted = convert_ldm_vae_checkpoint(checkpoint, reference.config)
     assert set(converted) == set(reference.state_dict())
     assert all(converted[k].shape == v.shape for k, v in reference.state_dict().items())
+
+
+FLUX_SCALE, FLUX_SHIFT = 0.3611, 0.1159
+FLUX_VAE_PARAMETERS = 83_819_683  # diffusers' AutoencoderKL with FLUX.1's released config
+
+
+def _flux_config(**overrides) -> VAEConfig:
+    return _config(z_channels=16, embed_dim=16, scale_factor=FLUX_SCALE, shift_factor=FLUX_SHIFT,
+                   use_quant_conv=False, **overrides)
+
+
+def _flux_diffusers_config(cfg: VAEConfig) -> dict:
+    return _diffusers_config(cfg) | dict(shift_factor=cfg.shift_factor, use_quant_conv=False,
+                                         use_post_quant_conv=False)
+
+
+def test_flux_vae_matches_diffusers_without_quant_convs():
+    torch.manual_seed(0)
+    cfg = _flux_config()
+    ours = AutoencoderKL(cfg, device="cpu").eval()
+    _randomize(ours, seed=6)
+    assert not any("quant_conv" in name for name, _ in ours.named_parameters())
+    reference = DiffusersAutoencoderKL(**_flux_diffusers_config(cfg)).eval()
+    checkpoint = {f"first_stage_model.{k}": v for k, v in ours.state_dict().items()}
+    reference.load_state_dict(convert_ldm_vae_checkpoint(checkpoint, reference.config), strict=True)
+    pixels = torch.rand(1, 3, 32, 40, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    latent = torch.randn(1, 16, 6, 5, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        expected_latent = (reference.encode(pixels).latent_dist.mean - FLUX_SHIFT) * FLUX_SCALE
+        expected_pixels = reference.decode(latent / FLUX_SCALE + FLUX_SHIFT).sample
+    assert _relative_error(ours.encode(pixels), expected_latent) <= TOLERANCE
+    assert _relative_error(ours.decode(latent), expected_pixels) <= TOLERANCE
+
+
+def test_full_size_flux_vae_on_meta_has_the_released_parameter_count():
+    cfg = _flux_config(ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2, resolution=256)
+    ours = AutoencoderKL(cfg)
+    with torch.device("meta"):
+        reference = DiffusersAutoencoderKL(**_flux_diffusers_config(cfg))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
+    assert sum(p.numel() for p in ours.parameters()) == FLUX_VAE_PARAMETERS
