@@ -9,7 +9,8 @@ from typing import Any
 from engine.models.detect import detect
 from engine.models.formats import open_checkpoint
 
-VARIANTS = {"flux_dev": "FLUX.1 dev: guidance-distilled", "flux_schnell": "FLUX.1 schnell: timestep-distilled"}
+VARIANTS = {"flux_dev": "FLUX.1 dev: guidance-distilled",
+            "flux_schnell": "FLUX.1 schnell: timestep-distilled"}
 
 
 def inspect_file(path: str | os.PathLike[str]) -> dict[str, Any]:
