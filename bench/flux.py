@@ -3,6 +3,7 @@
 
     python3 bench/flux.py                  # on a GPU: full size, random bf16 weights, 1024x1024, batch 1
     python3 bench/flux.py --tiny           # a CPU smoke run of the same program on a tiny FLUX-shaped model
+    python3 bench/flux.py --fp8            # linear weights stored in fp8, cast per layer as they run
 
 Rows as bench/memory.py (whose helpers this uses): our runtime resident, then weights in pinned RAM under
 budgets from the smallest feasible (the largest block plus the workspace) to everything resident, plus
@@ -122,8 +123,7 @@ def diffusers_rows(name: str, config: FluxConfig, inputs: tuple, device: torch.d
     return rows
 
 
-def stage_bytes(config: FluxConfig, dtype: torch.dtype) -> tuple[list[int], int]:
-    model = FluxTransformer(config, dtype=dtype, device="meta")
+def stage_bytes(model: FluxTransformer) -> tuple[list[int], int]:
     return ([stage.parameter_bytes() for stage in model.stages()],
             sum(p.numel() * p.element_size() for p in model.parameters()))
 
@@ -134,13 +134,13 @@ def bench_transformer(name: str, config: FluxConfig, inputs: tuple, dtype: torch
                                                          args.steps)
 
     def build() -> FluxTransformer:
-        return FluxTransformer(config, dtype=dtype, device="meta")
+        return FluxTransformer(config, dtype=dtype, device="meta", weight_dtype=args.weight_dtype)
 
     began = time.perf_counter()
     weights = random_model_weights(build(), dtype, device)
     print(f"random weights: {sum(t.nbytes for t in weights.values()) / GIB:.2f} GiB in "
           f"{time.perf_counter() - began:.1f} s", flush=True)
-    sizes, total = stage_bytes(config, dtype)
+    sizes, total = stage_bytes(build())
     ms, peak, reserved, copied, segments, workspace, profile = sluice_run(
         build, weights, inputs, device, "device", None, args.warmup, args.steps)
     resident = Row(name, "sluice resident", None, ms, peak, copied, segments, ms, reserved)
@@ -150,7 +150,8 @@ def bench_transformer(name: str, config: FluxConfig, inputs: tuple, dtype: torch
     extra += [int(r.peak_gib * GIB) for r in theirs if "offload" in r.mode and r.peak_gib == r.peak_gib]
     # the lowest point: the largest stage and the resident run's workspace, with room for the few MiB by
     # which a budgeted call's measured workspace varies
-    for budget in budgets(max(sizes), total, workspace + 8 * MIB, args.budgets, extra):
+    slack = min(8 * MIB, workspace // 8)
+    for budget in budgets(max(sizes), total, workspace + slack, args.budgets, extra):
         mode = f"sluice pinned RAM, budget {budget / MIB:.1f} MiB"
         try:
             ms, peak, reserved, copied, segments, *_ = sluice_run(build, weights, inputs, device, "cpu",
@@ -198,6 +199,8 @@ def main() -> int:
     parser.add_argument("--side", type=int, default=128, help="latent side (128 = 1024x1024 pixels)")
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (diffusers' dev default)")
     parser.add_argument("--no-diffusers", action="store_true")
+    parser.add_argument("--fp8", action="store_true",
+                        help="linear weights stored in float8_e4m3fn, cast per layer (diffusers' rows left out)")
     parser.add_argument("--cuda-graphs", default="auto", choices=("on", "off", "auto"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -215,6 +218,9 @@ def main() -> int:
     print(f"device {device}, dtype {dtype}, latent {side}x{side}, {tokens} text tokens, copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s", flush=True)
     name = "FLUX-tiny" if tiny else f"FLUX.1-dev {side * 8}x{side * 8}"
+    name += " fp8 weights" if args.fp8 else ""
+    args.weight_dtype = torch.float8_e4m3fn if args.fp8 else None
+    args.no_diffusers = args.no_diffusers or args.fp8
     inputs = flux_inputs(config, side, tokens, dtype, device)
     rows = bench_transformer(name, config, inputs, dtype, device, args, bandwidth)
     synchronize(device)

@@ -163,12 +163,12 @@ def random_model_weights(model: torch.nn.Module, dtype: torch.dtype, device: tor
         if parameter.ndim >= 2:
             fan_in = parameter[0].numel()
             drawn = torch.randn(parameter.shape, generator=generator, device=device)
-            tensor = (drawn / fan_in**0.5).to(dtype)
+            tensor = (drawn / fan_in**0.5).to(parameter.dtype)  # the model's own (fp8 linears: fp8)
         else:
             tensor = torch.full(parameter.shape, 1.0 if name.endswith(("weight", "scale")) else 0.0,
-                                dtype=dtype)
+                                dtype=parameter.dtype)
         if device.type == "cuda":
-            pinned = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+            pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             tensor = pinned.copy_(tensor)
         weights[name] = tensor
     return weights

@@ -89,10 +89,11 @@ class RowShardedLinear(nn.Module):
         order = sorted(range(len(self.shards)), key=lambda i: self.shards[i].device == x.device)
         partial: list[torch.Tensor | None] = [None] * len(self.shards)
         for i in order:
-            partial[i] = F.linear(inputs[self.shards[i].device], self.shards[i])  # (..., rows of slice i)
+            shard = self.shards[i].to(x.dtype)  # a stored (fp8) weight computes in the input's dtype
+            partial[i] = F.linear(inputs[shard.device], shard)  # (..., rows of slice i)
         gathered = [p.to(x.device, non_blocking=True) for p in partial]
         out = gathered[0] if len(gathered) == 1 else torch.cat(gathered, dim=-1)  # (..., out_features)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         slices = ", ".join(f"{a}:{b}@{d}" for (a, b), d in zip(self.rows, self.devices, strict=True))

@@ -14,9 +14,10 @@ rotations, shared by the batch), between two halves "img_mod2" / "txt_mod2" (the
 latent back together; the final stage leaves the velocity in "h".
 
 Precision follows ComfyUI: activations run in the model's `dtype` (bf16 on a GPU); the q/k RMSNorms and
-the rotary embedding compute in float32, the rotation angles in float64. Every matrix is a plain
-nn.Linear: an fp8 file is served by the weight store binding weights it upcasts to `dtype` when it stages
-them (the model itself never sees fp8).
+the rotary embedding compute in float32, the rotation angles in float64. The linear layers' weights may be
+stored in another dtype (`weight_dtype`, e.g. float8_e4m3fn for fp8 files or ComfyUI's fp8 weight_dtype):
+each layer casts its weight to the activations' dtype as it runs (ComfyUI's manual cast), so fp8 weights
+take half the memory, and half the copy time when streamed.
 """
 
 from __future__ import annotations
@@ -142,13 +143,22 @@ def joint_attention(streams: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return out.transpose(1, 2).flatten(2)  # (B, L, H * D)
 
 
+class CastLinear(nn.Linear):
+    """nn.Linear whose stored weight (and bias) may have another dtype than its input: both are cast to the
+    input's dtype for the product, a no-op when they already match."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
 class MLPEmbedder(nn.Module):
     """Linear, SiLU, Linear: embeds a timestep, guidance or pooled-text vector to the model width."""
 
     def __init__(self, in_dim: int, hidden_dim: int, **factory):
         super().__init__()
-        self.in_layer = nn.Linear(in_dim, hidden_dim, **factory)
-        self.out_layer = nn.Linear(hidden_dim, hidden_dim, **factory)
+        self.in_layer = CastLinear(in_dim, hidden_dim, **factory)
+        self.out_layer = CastLinear(hidden_dim, hidden_dim, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_layer(F.silu(self.in_layer(x)))
@@ -183,9 +193,9 @@ class SelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, qkv_bias: bool, **factory):
         super().__init__()
         self.heads = heads
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **factory)
+        self.qkv = CastLinear(dim, dim * 3, bias=qkv_bias, **factory)
         self.norm = QKNorm(dim // heads, **factory)
-        self.proj = nn.Linear(dim, dim, **factory)
+        self.proj = CastLinear(dim, dim, **factory)
 
     def qkv_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, L, C) -> normed q, k and v, each tokens-first (B, L, H, C / H)."""
@@ -201,7 +211,7 @@ class Modulation(nn.Module):
     def __init__(self, dim: int, double: bool, **factory):
         super().__init__()
         self.count = 6 if double else 3
-        self.lin = nn.Linear(dim, self.count * dim, **factory)
+        self.lin = CastLinear(dim, self.count * dim, **factory)
 
     def forward(self, vec: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self.lin(F.silu(vec))[:, None, :].chunk(self.count, dim=-1)  # each (B, 1, C)
@@ -222,8 +232,8 @@ def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(hidden_size: int, mlp_hidden: int, **factory) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(hidden_size, mlp_hidden, **factory), nn.GELU(approximate="tanh"),
-                         nn.Linear(mlp_hidden, hidden_size, **factory))
+    return nn.Sequential(CastLinear(hidden_size, mlp_hidden, **factory), nn.GELU(approximate="tanh"),
+                         CastLinear(mlp_hidden, hidden_size, **factory))
 
 
 class DoubleStreamBlock(nn.Module):
@@ -277,8 +287,8 @@ class SingleStreamBlock(nn.Module):
         hidden = config.hidden_size
         self.heads = config.num_heads
         self.mlp_hidden = config.mlp_hidden
-        self.linear1 = nn.Linear(hidden, hidden * 3 + self.mlp_hidden, **factory)  # qkv and MLP in
-        self.linear2 = nn.Linear(hidden + self.mlp_hidden, hidden, **factory)  # attention out and MLP out
+        self.linear1 = CastLinear(hidden, hidden * 3 + self.mlp_hidden, **factory)  # qkv and MLP in
+        self.linear2 = CastLinear(hidden + self.mlp_hidden, hidden, **factory)  # attention out and MLP out
         self.norm = QKNorm(config.head_dim, **factory)
         self.modulation = Modulation(hidden, double=False, **factory)
 
@@ -307,8 +317,8 @@ class LastLayer(nn.Module):
 
     def __init__(self, hidden_size: int, out_channels: int, **factory):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, out_channels, **factory)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, **factory))
+        self.linear = CastLinear(hidden_size, out_channels, **factory)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), CastLinear(hidden_size, 2 * hidden_size, **factory))
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
         shift, scale = self.adaLN_modulation(vec).chunk(2, dim=1)  # each (B, C)
@@ -352,22 +362,27 @@ class FluxTransformer(StagedModel):
     """FLUX.1 dev/schnell; forward(x, timesteps, context, y, guidance) predicts the flow velocity."""
 
     def __init__(self, config: FluxConfig, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, weight_dtype: torch.dtype | None = None):
         super().__init__()
         _check_config(config)
         self.config = config
         self.dtype = dtype or torch.get_default_dtype()  # compute dtype of the activations
+        self.weight_dtype = weight_dtype or self.dtype  # stored dtype of the linear layers (fp8: half)
         factory = {"dtype": self.dtype, "device": device}
         hidden = config.hidden_size
-        self.img_in = nn.Linear(config.in_channels, hidden, **factory)
+        self.img_in = CastLinear(config.in_channels, hidden, **factory)
         self.time_in = MLPEmbedder(TIME_EMBED_DIM, hidden, **factory)
         self.vector_in = MLPEmbedder(config.vec_in_dim, hidden, **factory)
         self.guidance_in = MLPEmbedder(TIME_EMBED_DIM, hidden, **factory) if config.guidance_embed else None
-        self.txt_in = nn.Linear(config.context_in_dim, hidden, **factory)
+        self.txt_in = CastLinear(config.context_in_dim, hidden, **factory)
         self.double_blocks = nn.ModuleList(DoubleStreamBlock(config, **factory) for _ in range(config.depth))
         self.single_blocks = nn.ModuleList(SingleStreamBlock(config, **factory)
                                            for _ in range(config.depth_single_blocks))
         self.final_layer = LastLayer(hidden, config.out_channels, **factory)
+        if self.weight_dtype != self.dtype:
+            for module in self.modules():
+                if isinstance(module, CastLinear):
+                    module.to(self.weight_dtype)
 
     def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
                       guidance: torch.Tensor | None = None) -> State:

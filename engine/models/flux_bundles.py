@@ -47,7 +47,7 @@ class FluxDiffusionModel(DiffusionModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.unet.parameters()).dtype
+        return self.unet.dtype  # the activations'; fp8 weights compute in it
 
     @property
     def latent_format(self) -> str:

@@ -2,9 +2,11 @@
 
 Models are built on `meta` and their parameters bound to tensors read lazily (engine/models/loader.py does
 the same for SD files). A diffusers-layout transformer is converted to BFL names one tensor at a time
-(engine/models/flux_keys.py), so the weight store and the runtime see one layout. fp8 files
-(`float8_e4m3fn`, `float8_e5m2`) load like the others: each tensor is upcast to the compute dtype as it is
-read; quantised weights that stay quantised on the device are issue 17's.
+(engine/models/flux_keys.py), so the weight store and the runtime see one layout. The transformer's linear
+layers keep an fp8 file's `float8_e4m3fn` / `float8_e5m2` weights as they are (or store a wider file's in fp8
+when the UNETLoader's weight_dtype asks for it), half the bytes of bf16 in memory and on every streamed copy,
+and cast each to the compute dtype as it runs; the text encoders upcast fp8 tensors as they are read.
+Quantised (GGUF) weights that stay quantised are issue 17's.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ FLUX_SCHNELL_SHIFT = 1.0  # and for schnell (ModelSamplingDiscreteFlow, multipli
 Getter = Callable[[str], torch.Tensor]
 
 
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def flux_dtype(device: torch.device, requested: torch.dtype | None) -> torch.dtype:
-    """float32 on the CPU; bf16 on GPUs that have it (FLUX and T5 overflow in fp16), else fp16."""
-    if requested is not None:
+    """The compute dtype: the requested one unless it is a storage-only fp8; else float32 on the CPU, bf16
+    on GPUs that have it (FLUX and T5 overflow in fp16), else fp16."""
+    if requested is not None and requested not in FP8:
         return requested
     if device.type == "cpu":
         return torch.float32
@@ -48,13 +54,26 @@ def flux_dtype(device: torch.device, requested: torch.dtype | None) -> torch.dty
     return torch.bfloat16 if bf16 else torch.float16
 
 
-def _bind_from(model: torch.nn.Module, get: Getter, dtype: torch.dtype, target, kind: str, what: str,
-               path: Path, reopen: Callable[[], Getter]) -> str | None:
-    """Bind `model`'s parameters (named as it names them) to `get(name)`: read now and bound (plain), or
-    registered in the runtime under the target's home (disk: re-read through `reopen()`'s getter)."""
+def flux_weight_dtype(requested: torch.dtype | None, stored: torch.dtype | None, compute: torch.dtype,
+                      ) -> torch.dtype:
+    """The linear layers' stored dtype: fp8 when asked for (ComfyUI's weight_dtype fp8_e4m3fn / fp8_e5m2) or,
+    by default, when the file stores fp8 (kept as it is, cast per layer as it runs); else the compute one."""
+    if requested in FP8:
+        return requested
+    if requested is None and stored in FP8:
+        return stored
+    return compute
+
+
+def _bind_from(model: torch.nn.Module, get: Getter, target, kind: str, what: str, path: Path,
+               reopen: Callable[[], Getter]) -> str | None:
+    """Bind `model`'s parameters (named as it names them) to `get(name)`, each cast to its parameter's
+    dtype: read now and bound (plain), or registered in the runtime under the target's home (disk: re-read
+    through `reopen()`'s getter)."""
     if target.runtime is None:
         device = target.device.torch_device
-        tensors = {name: get(name).to(dtype).to(device) for name, _ in model.named_parameters()}
+        tensors = {name: get(name).to(device, parameter.dtype)
+                   for name, parameter in model.named_parameters()}
         try:
             bind_weights(model, tensors)
         except ValueError as error:
@@ -91,14 +110,16 @@ def build_flux_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch
                          target) -> FluxDiffusionModel:
     """The FLUX transformer of `reader` as a MODEL bundle, bound or registered per `target`."""
     config: FluxConfig = info.flux
-    dtype = flux_dtype(target.device.torch_device, dtype)
-    model = FluxTransformer(config, dtype=dtype, device="meta")
+    compute = flux_dtype(target.device.torch_device, dtype)
+    stored = reader.info(info.components["diffusion"] + _first_matrix(info)).dtype
+    model = FluxTransformer(config, dtype=compute, device="meta",
+                            weight_dtype=flux_weight_dtype(dtype, stored, compute))
 
     def reopen() -> Getter:
         return _flux_getter(open_checkpoint(reader.path), info)
 
-    name = _bind_from(model, _flux_getter(reader, info), dtype, target, "diffusion", "FLUX transformer",
-                      reader.path, reopen)
+    name = _bind_from(model, _flux_getter(reader, info), target, "diffusion", "FLUX transformer", reader.path,
+                      reopen)
     sampling = (FluxFlowMatching(shift=FLUX_DEV_SHIFT) if config.guidance_embed
                 else FlowMatching(shift=FLUX_SCHNELL_SHIFT, multiplier=1.0))
     memory = module_memory(target, "diffusion", [name], [model])
@@ -109,6 +130,12 @@ def build_flux_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch
                                      latent_scale=scale, latent_shift=shift,
                                      compute_device=target.device.name,
                                      params_location=target.home, source=reader.path, memory=memory), memory)
+
+
+def _first_matrix(info: ModelInfo) -> str:
+    """The file key (under the diffusion prefix) of a block matrix, whose dtype is the file's storage one."""
+    return ("transformer_blocks.0.attn.to_q.weight" if info.flux_layout == "diffusers"
+            else "double_blocks.0.img_attn.qkv.weight")
 
 
 def _t5_getter(reader: CheckpointReader, prefix: str) -> Getter:
@@ -125,7 +152,7 @@ def _build_t5(reader: CheckpointReader, config: T5Config, prefix: str, dtype: to
               target) -> tuple[T5Encoder, str | None]:
     dtype = flux_dtype(target.device.torch_device, dtype)
     model = T5Encoder(config, dtype=dtype, device="meta")
-    name = _bind_from(model, _t5_getter(reader, prefix), dtype, target, "te", "T5 text encoder", reader.path,
+    name = _bind_from(model, _t5_getter(reader, prefix), target, "te", "T5 text encoder", reader.path,
                       lambda: _t5_getter(open_checkpoint(reader.path), prefix))
     return model, name
 
@@ -145,7 +172,7 @@ def _build_clip_l(reader: CheckpointReader, config: TextEncoderConfig, dtype: to
         other = open_checkpoint(reader.path)
         return lambda name: other.get(prefix + name)
 
-    name = _bind_from(model, _checked(get, reader.path, "CLIP-L text encoder"), dtype, target, "te",
+    name = _bind_from(model, _checked(get, reader.path, "CLIP-L text encoder"), target, "te",
                       "CLIP-L text encoder", reader.path, reopen)
     return model, name
 
