@@ -200,7 +200,7 @@ def main() -> int:
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (diffusers' dev default)")
     parser.add_argument("--no-diffusers", action="store_true")
     parser.add_argument("--fp8", action="store_true",
-                        help="linear weights stored in float8_e4m3fn, cast per layer (diffusers' rows left out)")
+                        help="linear weights in float8_e4m3fn, cast per layer (no diffusers rows)")
     parser.add_argument("--cuda-graphs", default="auto", choices=("on", "off", "auto"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
