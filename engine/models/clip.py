@@ -89,6 +89,12 @@ def _layer_norm(width: int, dtype: torch.dtype, device: torch.device | str) -> n
     return nn.LayerNorm(width, eps=1e-5, dtype=dtype, device=device)
 
 
+def _embedding(count: int, width: int, dtype: torch.dtype, device: torch.device | str) -> nn.Embedding:
+    """An uninitialised embedding table [count, width], bound from the checkpoint later: nn.Embedding's own
+    random initialisation would import torch._dynamo (1-2 s on the first text encoder of a process)."""
+    return nn.Embedding(count, width, _weight=torch.empty(count, width, dtype=dtype, device=device))
+
+
 class HFAttention(nn.Module):
     """Causal self-attention with separate q, k, v projections (transformers' CLIPAttention)."""
 
@@ -209,10 +215,9 @@ class CLIPTextModel(StagedModel):
         if layout == "hf":
             self.text_model = nn.Module()
             self.text_model.embeddings = nn.Module()
-            self.text_model.embeddings.token_embedding = nn.Embedding(
-                config.vocab_size, width, dtype=dtype, device=device)
-            self.text_model.embeddings.position_embedding = nn.Embedding(
-                config.max_positions, width, dtype=dtype, device=device)
+            self.text_model.embeddings.token_embedding = _embedding(config.vocab_size, width, dtype, device)
+            self.text_model.embeddings.position_embedding = _embedding(config.max_positions, width, dtype,
+                                                                       device)
             self.text_model.encoder = nn.Module()
             self.text_model.encoder.layers = nn.ModuleList(
                 HFLayer(config, dtype, device) for _ in range(config.layers))
@@ -220,7 +225,7 @@ class CLIPTextModel(StagedModel):
             if proj is not None:
                 self.text_projection = _linear(width, proj, dtype, device, bias=False)
         else:
-            self.token_embedding = nn.Embedding(config.vocab_size, width, dtype=dtype, device=device)
+            self.token_embedding = _embedding(config.vocab_size, width, dtype, device)
             self.positional_embedding = nn.Parameter(
                 torch.empty(config.max_positions, width, dtype=dtype, device=device))
             self.transformer = nn.Module()

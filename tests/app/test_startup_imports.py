@@ -50,7 +50,18 @@ def test_default_workflow_runs_headless_without_spandrel(tmp_path):
     assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "out").glob("*.png"))) == 1
     loaded = set(json.loads(result.stdout.splitlines()[-1]))
-    assert loaded.isdisjoint(HEAVY), sorted(loaded & set(HEAVY))
+    assert loaded.isdisjoint(HEAVY + ("torch._dynamo",)), sorted(loaded & set(HEAVY + ("torch._dynamo",)))
+
+
+def test_building_the_text_encoders_does_not_import_dynamo():
+    """nn.Embedding's random initialisation imports torch._dynamo (1-2 s); the text encoders skip it."""
+    result = python("import sys\n"
+                    "from engine.models.clip import CLIPTextModel, clip_l_config, openclip_bigg_config\n"
+                    "CLIPTextModel(clip_l_config(), layout='hf', device='meta')\n"
+                    "CLIPTextModel(openclip_bigg_config(), layout='open_clip', device='meta')\n"
+                    "print('torch._dynamo' in sys.modules)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
 
 
 def test_nodes_lists_the_upscaler_nodes_without_spandrel(tmp_path):
