@@ -43,6 +43,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TextIO
 
 import numpy
@@ -147,6 +148,10 @@ class RandomCheckpoint:
 
     def keys(self) -> list[str]:
         return list(self.shapes)
+
+    def info(self, key: str) -> SimpleNamespace:
+        """What a reader says of a tensor before reading it: here its dtype (bf16, as BFL's files)."""
+        return SimpleNamespace(shape=self.shapes[key], dtype=torch.bfloat16)
 
     def get(self, key: str) -> torch.Tensor:
         shape = self.shapes[key]  # KeyError for a key the checkpoint lacks, as a file reader

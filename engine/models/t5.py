@@ -192,6 +192,12 @@ class T5LayerNorm(nn.Module):
         return x * self.weight.float()  # (B, T, W) float32
 
 
+def _embedding(count: int, width: int, dtype: torch.dtype, device: torch.device | str) -> nn.Embedding:
+    """An uninitialised table [count, width], bound from the checkpoint later (nn.Embedding's own random
+    initialisation imports torch._dynamo: 1-2 s on a process's first load)."""
+    return nn.Embedding(count, width, _weight=torch.empty(count, width, dtype=dtype, device=device))
+
+
 def _linear(fan_in: int, fan_out: int, dtype: torch.dtype, device: torch.device | str) -> nn.Linear:
     return nn.Linear(fan_in, fan_out, bias=False, dtype=dtype, device=device)
 
@@ -209,8 +215,8 @@ class T5SelfAttention(nn.Module):
         self.v = _linear(config.d_model, inner, dtype, device)
         self.o = _linear(inner, config.d_model, dtype, device)
         if has_relative_bias:
-            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets,
-                                                        config.num_heads, dtype=dtype, device=device)
+            self.relative_attention_bias = _embedding(config.relative_attention_num_buckets, config.num_heads,
+                                                      dtype, device)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x (B, T, W) and bias (B or 1, heads, T, T) in the weights' dtype -> (B, T, W) in that dtype."""
@@ -285,7 +291,7 @@ class T5Encoder(StagedModel):
             raise ValueError(f"unknown T5 feed_forward_proj {config.feed_forward_proj!r}; accepted: "
                              f"{', '.join(FEED_FORWARD_PROJECTIONS)}")
         self.config = config
-        self.shared = nn.Embedding(config.vocab_size, config.d_model, dtype=dtype, device=device)
+        self.shared = _embedding(config.vocab_size, config.d_model, dtype, device)
         self.encoder = nn.Module()
         self.encoder.block = nn.ModuleList(T5Block(config, index == 0, dtype, device)
                                            for index in range(config.num_layers))

@@ -53,12 +53,16 @@ def test_default_workflow_runs_headless_without_spandrel(tmp_path):
     assert loaded.isdisjoint(HEAVY + ("torch._dynamo",)), sorted(loaded & set(HEAVY + ("torch._dynamo",)))
 
 
-def test_building_the_text_encoders_does_not_import_dynamo():
+def test_building_the_text_encoders_and_flux_does_not_import_dynamo():
     """nn.Embedding's random initialisation imports torch._dynamo (1-2 s); the text encoders skip it."""
     result = python("import sys\n"
                     "from engine.models.clip import CLIPTextModel, clip_l_config, openclip_bigg_config\n"
                     "CLIPTextModel(clip_l_config(), layout='hf', device='meta')\n"
                     "CLIPTextModel(openclip_bigg_config(), layout='open_clip', device='meta')\n"
+                    "from engine.models.t5 import T5Encoder, t5_xxl_config\n"
+                    "from engine.models.flux import FluxTransformer, flux_dev_config\n"
+                    "T5Encoder(t5_xxl_config(), device='meta')\n"
+                    "FluxTransformer(flux_dev_config(), device='meta')\n"
                     "print('torch._dynamo' in sys.modules)")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False"]
