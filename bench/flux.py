@@ -16,12 +16,9 @@ events), peak allocated and reserved GiB, GiB copied per step, the physical line
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
-import json
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -40,11 +37,11 @@ from memory import (  # noqa: E402
     floor_ms,
     format_table,
     measure,
-    plot,
     random_model_weights,
     release_garbage,
     sluice_run,
     synchronize,
+    write_results,
 )
 
 from engine.models.flux import FluxConfig, FluxTransformer, flux_dev_config  # noqa: E402
@@ -77,6 +74,18 @@ def diffusers_config(config: FluxConfig) -> dict:
                 guidance_embeds=config.guidance_embed, axes_dims_rope=tuple(config.axes_dim))
 
 
+def diffusers_tokens(inputs: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The latent of `inputs` packed as FluxPipeline packs it: (tokens (B, L, C * 4), img_ids (L, 3),
+    txt_ids (T, 3))."""
+    x, _, context, _, _ = inputs
+    b, c, h, w = x.shape
+    tokens = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
+    img_ids = torch.zeros(h // 2, w // 2, 3, device=x.device)
+    img_ids[..., 1] += torch.arange(h // 2, device=x.device)[:, None]
+    img_ids[..., 2] += torch.arange(w // 2, device=x.device)[None, :]
+    return tokens, img_ids.reshape(-1, 3), torch.zeros(context.shape[1], 3, device=x.device)
+
+
 def diffusers_rows(name: str, config: FluxConfig, inputs: tuple, device: torch.device, warmup: int,
                    steps: int) -> list[Row]:
     """diffusers' FluxTransformer2DModel resident and, on CUDA, with block-level group offloading."""
@@ -86,13 +95,7 @@ def diffusers_rows(name: str, config: FluxConfig, inputs: tuple, device: torch.d
         print("diffusers is not importable: its rows are left out", file=sys.stderr)
         return []
     x, timesteps, context, y, guidance = inputs
-    b, c, h, w = x.shape
-    tokens = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
-    img_ids = torch.zeros(h // 2, w // 2, 3, device=device)
-    img_ids[..., 1] += torch.arange(h // 2, device=device)[:, None]
-    img_ids[..., 2] += torch.arange(w // 2, device=device)[None, :]
-    img_ids = img_ids.reshape(-1, 3)
-    txt_ids = torch.zeros(context.shape[1], 3, device=device)
+    tokens, img_ids, txt_ids = diffusers_tokens(inputs)
     modes = [("resident", None)] + ([("group offload block_level stream", "block_level")]
                                     if device.type == "cuda" else [])
     rows = []
@@ -226,17 +229,7 @@ def main() -> int:
     synchronize(device)
     print(format_table(rows))
     print("\n".join(check_targets(rows)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"flux_{'tiny_' if tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
-    with open(args.out / f"{stem}.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
-        writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
-         "rows": [asdict(r) for r in rows]}, indent=2))
-    image = plot(rows, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.csv, .json and {image.name}")
+    write_results(rows, args.out, f"flux_{'tiny_' if tiny else ''}{device.type}", device, dtype, bandwidth)
     return 0
 
 

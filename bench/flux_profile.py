@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flux import diffusers_config, flux_inputs  # noqa: E402
+from flux import diffusers_config, diffusers_tokens, flux_inputs  # noqa: E402
 from memory import random_model_weights, time_step  # noqa: E402
 
 from engine.models.flux import FluxTransformer, flux_dev_config  # noqa: E402
@@ -110,18 +110,13 @@ def main() -> int:
 
     with torch.device(device):
         theirs_model = FluxTransformer2DModel.from_config(diffusers_config(config)).to(dtype).eval()
-    x, timesteps, context, y, guidance = inputs
-    b, c, h, w = x.shape
-    tokens = x.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, h * w // 4, c * 4)
-    img_ids = torch.zeros(h // 2, w // 2, 3, device=device)
-    img_ids[..., 1] += torch.arange(h // 2, device=device)[:, None]
-    img_ids[..., 2] += torch.arange(w // 2, device=device)[None, :]
-    txt_ids = torch.zeros(context.shape[1], 3, device=device)
+    _, timesteps, context, y, guidance = inputs
+    tokens, img_ids, txt_ids = diffusers_tokens(inputs)
 
     def theirs() -> object:
         with torch.no_grad():
             return theirs_model(hidden_states=tokens, encoder_hidden_states=context, pooled_projections=y,
-                                timestep=timesteps, img_ids=img_ids.reshape(-1, 3), txt_ids=txt_ids,
+                                timestep=timesteps, img_ids=img_ids, txt_ids=txt_ids,
                                 guidance=guidance).sample
 
     print(f"\ndiffusers eager: {median_ms(device, theirs, 5):.1f} ms")

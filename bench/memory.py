@@ -598,18 +598,25 @@ def main() -> int:
         rows += bench_model(name, config, side, dtype, device, args, bandwidth)
     print(format_table(rows))
     print("\n".join(check_targets(rows)))
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"memory_{'tiny_' if args.tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
-    with open(args.out / f"{stem}.csv", "w", newline="") as handle:
+    write_results(rows, args.out, f"memory_{'tiny_' if args.tiny else ''}{device.type}", device, dtype,
+                  bandwidth)
+    return 0
+
+
+def write_results(rows: list[Row], out: Path, prefix: str, device: torch.device, dtype: torch.dtype,
+                  bandwidth: float) -> None:
+    """The rows as `out/PREFIX_DATE_TIME.csv`, `.json` (with the device, dtype and copy rate) and `.png`."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{prefix}_{time.strftime('%Y%m%d_%H%M%S')}"
+    with open(out / f"{stem}.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    (args.out / f"{stem}.json").write_text(json.dumps(
+    (out / f"{stem}.json").write_text(json.dumps(
         {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
          "rows": [asdict(r) for r in rows]}, indent=2))
-    image = plot(rows, args.out / f"{stem}.png")
-    print(f"wrote {args.out / stem}.csv, .json and {image.name}")
-    return 0
+    image = plot(rows, out / f"{stem}.png")
+    print(f"wrote {out / stem}.csv, .json and {image.name}")
 
 
 if __name__ == "__main__":
