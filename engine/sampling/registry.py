@@ -1,16 +1,21 @@
 """The sampler registry: every accepted name (stable-diffusion.cpp's and ComfyUI's) to its function.
 
-Every sampler serves rectified-flow models (FLUX, SD3) too, except those in flow.FLOW_REFUSED_SAMPLERS
-(tcd, dpm++2mv2), which raise a ValueError naming the sampler and the reason when given a flow model.
+ComfyUI's `_gpu` SDE samplers are their own entries: the same steps with the Brownian tree of their step
+noise on the latent's device (BROWNIAN_TREE_ON_CPU). Every sampler serves rectified-flow models (FLUX, SD3)
+too, except those in flow.FLOW_REFUSED_SAMPLERS (tcd, dpm++2mv2), which raise a ValueError naming the
+sampler and the reason when given a flow model.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from . import samplers as single
 from . import samplers_dpm_solver as dpm_solver
 from . import samplers_multistep as multi
 from . import samplers_sde as sde
+from .noise import NoiseSampler, brownian_tree_noise_sampler, default_noise_sampler
 
 Sampler = Callable[..., object]  # sample_x(model, x, sigmas, extra_args, callback, disable, **knobs)
 
@@ -41,6 +46,10 @@ SAMPLERS: dict[str, Sampler] = {
     "dpm++2m_sde_heun": sde.sample_dpmpp_2m_sde_heun,
     "dpm++sde": sde.sample_dpmpp_sde,
     "dpm++3m_sde": sde.sample_dpmpp_3m_sde,
+    "dpmpp_sde_gpu": sde.sample_dpmpp_sde_gpu,
+    "dpmpp_2m_sde_gpu": sde.sample_dpmpp_2m_sde_gpu,
+    "dpmpp_2m_sde_heun_gpu": sde.sample_dpmpp_2m_sde_heun_gpu,
+    "dpmpp_3m_sde_gpu": sde.sample_dpmpp_3m_sde_gpu,
     "lms": multi.sample_lms,
     "ddpm": single.sample_ddpm,
     "deis": multi.sample_deis,
@@ -61,27 +70,74 @@ SAMPLER_ALIASES: dict[str, str] = {
     "dpmpp_2m": "dpm++2m",
     "dpmpp_2m_v2": "dpm++2mv2",
     "dpmpp_sde": "dpm++sde",
-    "dpmpp_sde_gpu": "dpm++sde",
     "dpmpp_2m_sde": "dpm++2m_sde",
-    "dpmpp_2m_sde_gpu": "dpm++2m_sde",
     "dpmpp_2m_sde_heun": "dpm++2m_sde_heun",
-    "dpmpp_2m_sde_heun_gpu": "dpm++2m_sde_heun",
     "dpmpp_3m_sde": "dpm++3m_sde",
-    "dpmpp_3m_sde_gpu": "dpm++3m_sde",
     "ddim": "ddim_trailing",
     "euler_ancestral_cfg_pp": "euler_a_cfg_pp",
     "gradient_estimation": "euler_ge",
 }
 
 
-def resolve_sampler(name: str) -> Sampler:
-    """The sampler function for `name` (case-insensitive; sd.cpp and ComfyUI spellings)."""
+# The samplers ComfyUI's KSampler gives steps + 1 sigmas less the second-to-last one (its
+# DISCARD_PENULTIMATE_SIGMA_SAMPLERS: dpm_2, dpm_2_ancestral, uni_pc, uni_pc_bh2), by canonical name; their
+# aliases follow. Only the KSampler path applies it (sample.ksampler_sigmas), not BasicScheduler.
+DISCARD_PENULTIMATE_SIGMA: frozenset[str] = frozenset({"dpm2", "dpm2_a", "uni_pc", "uni_pc_bh2"})
+
+# The samplers whose step noise is ComfyUI's Brownian tree, by function: True keeps the tree on the CPU
+# (dpmpp_sde, dpmpp_2m_sde(_heun), dpmpp_3m_sde), False on the latent's device (their _gpu names). Every
+# other sampler with a noise_sampler gets the seeded Gaussian default_noise_sampler.
+BROWNIAN_TREE_ON_CPU: dict[Sampler, bool] = {
+    sde.sample_dpmpp_sde: True,
+    sde.sample_dpmpp_2m_sde: True,
+    sde.sample_dpmpp_2m_sde_heun: True,
+    sde.sample_dpmpp_3m_sde: True,
+    sde.sample_dpmpp_sde_gpu: False,
+    sde.sample_dpmpp_2m_sde_gpu: False,
+    sde.sample_dpmpp_2m_sde_heun_gpu: False,
+    sde.sample_dpmpp_3m_sde_gpu: False,
+}
+
+
+def canonical_sampler_name(name: str) -> str:
+    """The registry key for `name` (case-insensitive; sd.cpp and ComfyUI spellings)."""
     key = name.strip().lower()
     key = SAMPLER_ALIASES.get(key, key)
     if key not in SAMPLERS:
         accepted = ", ".join(list(SAMPLERS) + list(SAMPLER_ALIASES))
         raise ValueError(f"unknown sampler '{name}'; accepted: {accepted}")
-    return SAMPLERS[key]
+    return key
+
+
+def resolve_sampler(name: str) -> Sampler:
+    """The sampler function for `name` (case-insensitive; sd.cpp and ComfyUI spellings)."""
+    return SAMPLERS[canonical_sampler_name(name)]
+
+
+def discards_penultimate_sigma(name: str) -> bool:
+    """Whether ComfyUI's KSampler drops the second-to-last of steps + 1 sigmas for sampler `name`."""
+    return canonical_sampler_name(name) in DISCARD_PENULTIMATE_SIGMA
+
+
+def step_noise_sampler(sampler: Sampler, x: torch.Tensor, sigmas: torch.Tensor, seed: int | None,
+                       flow: bool = False) -> NoiseSampler:
+    """The seeded step noise ComfyUI gives `sampler` sampling x over `sigmas`: its Brownian tree for the
+    DPM++ SDE samplers, default_noise_sampler (the latent's device generator) for every other one.
+
+    `flow`: the model is a rectified-flow one, which the SDE samplers step in VE coordinates (flow.py); the
+    tree is ComfyUI's, over the flow sigmas, and is asked at the flow sigma of each VE one.
+    """
+    if sampler not in BROWNIAN_TREE_ON_CPU:
+        return default_noise_sampler(x, seed)
+    tree = brownian_tree_noise_sampler(x, sigmas, seed, cpu=BROWNIAN_TREE_ON_CPU[sampler])
+    if not flow:
+        return tree
+
+    def at_flow_sigmas(sigma_ve: torch.Tensor, sigma_ve_next: torch.Tensor) -> torch.Tensor:
+        sigma, sigma_next = (s / (1 + s) for s in (sigma_ve, sigma_ve_next))
+        return tree(sigma.to(sigmas.dtype), sigma_next.to(sigmas.dtype)).to(x.dtype)
+
+    return at_flow_sigmas
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,25 @@ from collections.abc import Callable
 
 import torch
 
+from .flow import is_flow
 from .guidance import CFGDenoiser, Conditioning
 from .model_sampling import Denoiser, max_denoise
-from .noise import default_noise_sampler, prepare_noise
+from .noise import prepare_noise
 from .preview import latent_to_rgb
-from .registry import Sampler, resolve_sampler
+from .registry import Sampler, discards_penultimate_sigma, resolve_sampler, step_noise_sampler
 from .schedulers import calculate_sigmas
 
 
 def ksampler_sigmas(model_sampling, scheduler: str, steps: int, denoise: float = 1.0,
                     start_step: int | None = None, end_step: int | None = None,
                     return_with_leftover_noise: bool = False, family: str | None = None,
-                    custom_sigmas=None) -> torch.Tensor:
-    """The sigmas a KSampler(Advanced) runs; empty when there is nothing to do (denoise 0, start >= end)."""
+                    custom_sigmas=None, sampler: str | None = None) -> torch.Tensor:
+    """The sigmas a KSampler(Advanced) runs; empty when there is nothing to do (denoise 0, start >= end).
+
+    With `sampler` named, the samplers of registry.DISCARD_PENULTIMATE_SIGMA get ComfyUI's KSampler rule:
+    the schedule of n + 1 steps less its second-to-last sigma wherever n steps are asked. BasicScheduler
+    (no sampler) gets the plain schedule, as in ComfyUI.
+    """
     if steps < 1:
         raise ValueError(f"steps must be >= 1; got {steps}")
     if not 0.0 <= denoise <= 1.0:
@@ -35,11 +41,18 @@ def ksampler_sigmas(model_sampling, scheduler: str, steps: int, denoise: float =
             raise ValueError(f"{label} must be >= 0; got {value}")
     if denoise <= 0.0:
         return torch.zeros(0)
+    discard = sampler is not None and discards_penultimate_sigma(sampler)
+
+    def schedule(n: int) -> torch.Tensor:
+        if not discard:
+            return calculate_sigmas(scheduler, model_sampling, n, family, custom_sigmas)
+        longer = calculate_sigmas(scheduler, model_sampling, n + 1, family, custom_sigmas)
+        return torch.cat([longer[:-2], longer[-1:]])
+
     if denoise > 0.9999:
-        sigmas = calculate_sigmas(scheduler, model_sampling, steps, family, custom_sigmas)
+        sigmas = schedule(steps)
     else:
-        total = int(steps / denoise)
-        sigmas = calculate_sigmas(scheduler, model_sampling, total, family, custom_sigmas)[-(steps + 1):]
+        sigmas = schedule(int(steps / denoise))[-(steps + 1):]
     if end_step is not None and end_step < len(sigmas) - 1:
         sigmas = sigmas[:end_step + 1].clone()
         if not return_with_leftover_noise:
@@ -64,7 +77,7 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
     """
     sampler_fn = resolve_sampler(sampler)
     sigmas = ksampler_sigmas(model.model_sampling, scheduler, steps, denoise, start_step, end_step,
-                             return_with_leftover_noise, family, custom_sigmas)
+                             return_with_leftover_noise, family, custom_sigmas, sampler=sampler)
     if len(sigmas) < 2:
         return latent.clone()
     noise = prepare_noise(latent, seed) if add_noise else torch.zeros_like(latent)
@@ -81,7 +94,8 @@ def sample_sigmas(model: CFGDenoiser, latent: torch.Tensor, noise: torch.Tensor,
 
     The latent is noised to sigmas[0] by the model sampling's `noise_scaling` (`noise` is unit Gaussian, or
     zeros for none), the guided denoiser `model` is stepped by `sampler`, and the result un-scaled at
-    sigmas[-1]. `seed` seeds the per-step noise of ancestral and SDE samplers. Empty sigmas return the
+    sigmas[-1]. `seed` seeds the per-step noise of ancestral and SDE samplers as ComfyUI's KSAMPLER does
+    (registry.step_noise_sampler). Empty sigmas return the
     latent; a single sigma returns the latent noised to it, without a model call (as ComfyUI). `callback`,
     `preview` and `family` as for `sample`.
     """
@@ -102,7 +116,7 @@ def sample_sigmas(model: CFGDenoiser, latent: torch.Tensor, noise: torch.Tensor,
             preview(info["i"], latent_to_rgb(info["denoised"], family))
 
     options = dict(sampler_options or {})
-    if "noise_sampler" in inspect.signature(sampler).parameters:
-        options.setdefault("noise_sampler", default_noise_sampler(x, seed))
+    if "noise_sampler" in inspect.signature(sampler).parameters and "noise_sampler" not in options:
+        options["noise_sampler"] = step_noise_sampler(sampler, x, sigmas, seed, flow=is_flow(model))
     samples = sampler(model, x, sigmas, extra_args={}, callback=on_step, disable=True, **options)
     return model_sampling.inverse_noise_scaling(sigmas[-1], samples)

@@ -1,14 +1,16 @@
 """Stochastic (SDE) samplers. Same conventions as samplers.py.
 
-ComfyUI drives these with a torchsde Brownian tree; here the seeded Gaussian `noise_sampler` of
-noise.py supplies independent increments per step (same law, different draws; see noise.py).
+As in ComfyUI, the DPM++ SDE samplers draw their step noise from a torchsde Brownian tree over the run's
+sigmas (noise.BrownianTreeNoiseSampler; registry.step_noise_sampler builds the seeded one, on the CPU or,
+for the `_gpu` samplers, on the latent's device); ER-SDE draws independent Gaussians
+(noise.default_noise_sampler).
 On rectified-flow models they run in VE coordinates (flow.py), ComfyUI's half-log-SNR form.
 """
 
 import torch
 
 from .flow import is_flow, run_in_ve_coordinates
-from .noise import NoiseSampler, default_noise_sampler
+from .noise import NoiseSampler, brownian_tree_noise_sampler, default_noise_sampler
 from .samplers import Callback, get_ancestral_step
 
 
@@ -20,7 +22,7 @@ def sample_dpmpp_sde(model, x, sigmas, extra_args=None, callback: Callback = Non
         return run_in_ve_coordinates(sample_dpmpp_sde, model, x, sigmas, extra_args, callback, disable,
                                      eta=eta, s_noise=s_noise, noise_sampler=noise_sampler, r=r)
     extra_args = {} if extra_args is None else extra_args
-    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    noise_sampler = brownian_tree_noise_sampler(x, sigmas, None) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
@@ -55,7 +57,7 @@ def sample_dpmpp_2m_sde(model, x, sigmas, extra_args=None, callback: Callback = 
                                      eta=eta, s_noise=s_noise, noise_sampler=noise_sampler,
                                      solver_type=solver_type)
     extra_args = {} if extra_args is None else extra_args
-    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    noise_sampler = brownian_tree_noise_sampler(x, sigmas, None) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     old_denoised, h_last, h = None, None, None
     for i in range(len(sigmas) - 1):
@@ -98,7 +100,7 @@ def sample_dpmpp_3m_sde(model, x, sigmas, extra_args=None, callback: Callback = 
         return run_in_ve_coordinates(sample_dpmpp_3m_sde, model, x, sigmas, extra_args, callback, disable,
                                      eta=eta, s_noise=s_noise, noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
-    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    noise_sampler = brownian_tree_noise_sampler(x, sigmas, None) if noise_sampler is None else noise_sampler
     s_in = x.new_ones([x.shape[0]])
     denoised_1, denoised_2, h, h_1, h_2 = None, None, None, None, None
     for i in range(len(sigmas) - 1):
@@ -126,6 +128,37 @@ def sample_dpmpp_3m_sde(model, x, sigmas, extra_args=None, callback: Callback = 
         denoised_1, denoised_2 = denoised, denoised_1
         h_1, h_2 = h, h_1
     return x
+
+
+@torch.no_grad()
+def sample_dpmpp_sde_gpu(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                         s_noise=1.0, noise_sampler: NoiseSampler | None = None, r=1 / 2):
+    """sample_dpmpp_sde whose Brownian tree lives on the latent's device (ComfyUI's dpmpp_sde_gpu)."""
+    return sample_dpmpp_sde(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler, r)
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde_gpu(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                            eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None,
+                            solver_type="midpoint"):
+    """sample_dpmpp_2m_sde whose Brownian tree lives on the latent's device (ComfyUI's dpmpp_2m_sde_gpu)."""
+    return sample_dpmpp_2m_sde(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler,
+                               solver_type)
+
+
+@torch.no_grad()
+def sample_dpmpp_2m_sde_heun_gpu(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                                 eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """sample_dpmpp_2m_sde_heun whose Brownian tree lives on the latent's device (ComfyUI's _gpu name)."""
+    return sample_dpmpp_2m_sde(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler,
+                               solver_type="heun")
+
+
+@torch.no_grad()
+def sample_dpmpp_3m_sde_gpu(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                            eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """sample_dpmpp_3m_sde whose Brownian tree lives on the latent's device (ComfyUI's dpmpp_3m_sde_gpu)."""
+    return sample_dpmpp_3m_sde(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler)
 
 
 def _er_sde_noise_scaler(x: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,7 @@ STOCHASTIC = {  # sampler -> options that make it stochastic
     "euler_a": {}, "dpm2_a": {}, "dpm++2s_a": {}, "dpm++sde": {}, "dpm++2m_sde": {}, "dpm++2m_sde_bt": {},
     "dpm++2m_sde_heun": {}, "dpm++3m_sde": {}, "er_sde": {}, "ddpm": {}, "euler_a_cfg_pp": {}, "lcm": {},
     "res_multistep_ancestral": {}, "ddim_trailing": {"eta": 1.0}, "res_2s": {"eta": 1.0},
+    "dpmpp_sde_gpu": {}, "dpmpp_2m_sde_gpu": {}, "dpmpp_2m_sde_heun_gpu": {}, "dpmpp_3m_sde_gpu": {},
 }
 ODE_SAMPLERS = sorted(set(SAMPLERS) - set(FLOW_REFUSED_SAMPLERS))
 

@@ -163,7 +163,7 @@ def test_latent_to_rgb_is_comfyui_linear_projection(family):
 
 def test_sampler_names_resolve_case_insensitively_with_comfyui_aliases():
     assert resolve_sampler("Euler_A") is SAMPLERS["euler_a"]
-    assert resolve_sampler("dpmpp_2m_sde_gpu") is SAMPLERS["dpm++2m_sde"]
+    assert resolve_sampler("DPMPP_2M_SDE") is SAMPLERS["dpm++2m_sde"]
     assert all(resolve_sampler(alias) is SAMPLERS[name] for alias, name in SAMPLER_ALIASES.items())
     with pytest.raises(ValueError, match=r"unknown sampler 'eulr'; accepted: euler, euler_a, heun"):
         resolve_sampler("eulr")
