@@ -22,10 +22,13 @@ IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".
 
 
 def tensor_to_pil(image: torch.Tensor) -> Image.Image:
-    """One IMAGE item [H, W, 3] (or [H, W, 4]) in 0..1 -> an 8-bit RGB(A) PIL image."""
+    """One IMAGE item [H, W, 3] (or [H, W, 4]) in 0..1 -> an 8-bit RGB(A) PIL image.
+
+    Levels are ComfyUI's SaveImage's: 255 * x in float32, clipped to 0..255, truncated (0.999 -> 254).
+    """
     if image.ndim != 3 or image.shape[-1] not in (3, 4):
         raise ValueError(f"expected one image of shape (H, W, 3); got {tuple(image.shape)}")
-    array = (image.detach().float().cpu().clamp(0, 1) * 255.0).round().to(torch.uint8).numpy()
+    array = (image.detach().float().cpu() * 255.0).clamp(0, 255).to(torch.uint8).numpy()  # truncates
     return Image.fromarray(array, "RGB" if array.shape[-1] == 3 else "RGBA")
 
 

@@ -2,7 +2,8 @@
 
 UI format. Nodes carry `inputs` (linkable slots plus widgets converted to inputs; a link's target slot
 indexes this list), `outputs`, and `widgets_values`: the values of the type's widget inputs in declaration
-order, where a seed is followed by its "control after generate" value, a converted widget keeps its slot, and
+order, where a seed is followed by its "control after generate" value (a string, or in older files and
+the frontend's default graph a boolean: true = "randomize"), a converted widget keeps its slot, and
 an input that is a socket only (listed in `inputs` without a "widget" key) has none. Links are [id, origin,
 origin_slot, target, target_slot, type] arrays (0.4) or objects with those keys (1). Modes 2 ("never") and 4
 ("bypass") become muted and bypassed; a link from or to a node that is not in the file is dropped with a
@@ -319,9 +320,18 @@ def _resolve_primitives(nodes: dict[str, _UiNode], links: list[Link], warnings: 
             warnings.append(f"node {primitive.id} (PrimitiveNode) has no value; input {link.input!r} of node "
                             f"{link.target} keeps its own")
             continue
-        control = values[1] if len(values) > 1 and values[1] in SEED_CONTROLS else None
+        control = _seed_control(values[1]) if len(values) > 1 and (
+            isinstance(values[1], bool) or values[1] in SEED_CONTROLS) else None
         pushed.setdefault(link.target, {})[link.input] = (values[0], control)
     return kept, pushed
+
+
+def _seed_control(value: str | bool) -> str:
+    """A seed's control after generate; older files (and the frontend's own default graph) hold a boolean,
+    the old "random seed after every generation" toggle: true = "randomize", false = "fixed"."""
+    if isinstance(value, bool):
+        return "randomize" if value else "fixed"
+    return value
 
 
 def _ui_widgets(node: _UiNode, cls: type[NodeType],
@@ -346,8 +356,9 @@ def _ui_widgets(node: _UiNode, cls: type[NodeType],
             cursor += 1
             control_follows = cursor < len(values) and isinstance(values[cursor], str) \
                 and values[cursor] in SEED_CONTROLS
-            if spec.kind == SEED and control_follows:
-                controls[spec.name] = values[cursor]
+            legacy_control = cursor < len(values) and isinstance(values[cursor], bool)
+            if spec.kind == SEED and (control_follows or legacy_control):
+                controls[spec.name] = _seed_control(values[cursor])
                 cursor += 1
             elif spec.kind == INT and control_follows and len(values) - cursor > len(slotted) - index - 1:
                 cursor += 1  # ComfyUI gave this INT a control after generate; Sluice keeps none for INT

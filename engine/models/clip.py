@@ -70,6 +70,14 @@ def component_prefix(config: TextEncoderConfig) -> str:
     return config.key_prefix.removesuffix("text_model.") if config.layout == "hf" else config.key_prefix
 
 
+def missing_key_segment(config: TextEncoderConfig) -> str:
+    """"text_model." when an hf-layout file's keys lack it (older transformers wrote SD1 checkpoints as
+    `cond_stage_model.transformer.embeddings...`; ComfyUI renames them): the loader inserts it after
+    `component_prefix(config)` to get the parameter names. "" for every other file."""
+    bare = config.layout == "hf" and not config.key_prefix.endswith("text_model.")
+    return "text_model." if bare else ""
+
+
 def text_encoder_weights(tensors: Mapping[str, torch.Tensor], config: TextEncoderConfig,
                          ) -> dict[str, torch.Tensor]:
     """The encoder's tensors named as its parameters: prefix removed, UNUSED_CHECKPOINT_KEYS dropped."""

@@ -31,7 +31,7 @@ from engine.models.bundles import (
     VAEModel,
     build_conditioner,
 )
-from engine.models.clip import UNUSED_CHECKPOINT_KEYS, CLIPTextModel, component_prefix
+from engine.models.clip import UNUSED_CHECKPOINT_KEYS, CLIPTextModel, component_prefix, missing_key_segment
 from engine.models.detect import (
     TEXT_ROOTS,
     UNET_ROOTS,
@@ -111,14 +111,16 @@ def clear_cache() -> None:
 
 
 def _component_tensors(reader: CheckpointReader, prefix: str, roots: set[str], dtype: torch.dtype,
-                       device: torch.device, skip: Iterable[str] = ()) -> dict[str, torch.Tensor]:
-    """The component's tensors named without `prefix` (only names under `roots`), read and converted."""
+                       device: torch.device, skip: Iterable[str] = (), segment: str = ""
+                       ) -> dict[str, torch.Tensor]:
+    """The component's tensors named without `prefix` (only names under `roots`), read and converted;
+    `segment` is put before each name (a part of the parameter names that the file's keys lack)."""
     skipped = set(skip)
     tensors = {}
     for key in reader.keys():
         if not key.startswith(prefix):
             continue
-        name = key[len(prefix):]
+        name = segment + key[len(prefix):]
         if name.split(".", 1)[0] not in roots or name in skipped:
             continue
         tensor = reader.get(key)
@@ -156,17 +158,18 @@ class _Target:
 
 
 def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots: set[str], dtype: torch.dtype,
-           target: _Target, kind: str, what: str, skip: Iterable[str] = ()) -> str | None:
+           target: _Target, kind: str, what: str, skip: Iterable[str] = (), segment: str = "") -> str | None:
     """Bind the component's weights: read and bound now (plain), or registered in the runtime under its home
-    (disk: nothing is read now; the store re-reads from its own memory-mapped reader). Returns the name."""
+    (disk: nothing is read now; the store re-reads from its own memory-mapped reader). Returns the name.
+    A parameter `segment + name` is read from the file's key `prefix + name`."""
     if target.runtime is None:
-        tensors = _component_tensors(reader, prefix, roots, dtype, target.device.torch_device, skip)
+        tensors = _component_tensors(reader, prefix, roots, dtype, target.device.torch_device, skip, segment)
         _bind(model, tensors, what, reader.path)
         return None
     source_reader = open_checkpoint(reader.path) if target.home == "disk" else reader
 
     def source(name: str) -> torch.Tensor:
-        return source_reader.get(prefix + name)
+        return source_reader.get(prefix + name.removeprefix(segment))
 
     return target.runtime.register(kind, model, target.home, target.device.name, source,
                                    target.devices or None, target.split_mode)
@@ -232,7 +235,7 @@ def _build_clip(reader: CheckpointReader, config: TextEncoderConfig, dtype: torc
     dtype = dtype or default_dtype("te", target.device.torch_device, _stored_dtype(reader, prefix))
     model = CLIPTextModel(config, dtype=dtype, device="meta")
     name = _place(model, reader, prefix, TEXT_ROOTS, dtype, target, "te", f"{config.kind} text encoder",
-                  UNUSED_CHECKPOINT_KEYS)
+                  UNUSED_CHECKPOINT_KEYS, missing_key_segment(config))
     return model, name
 
 

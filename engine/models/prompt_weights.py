@@ -1,89 +1,113 @@
-"""Prompt emphasis (A1111, ComfyUI): `(text:1.2)`, `(text)` = x1.1, `[text]` = /1.1; nesting multiplies.
+"""Prompt emphasis and embedding references exactly as ComfyUI reads them (comfy/sd1_clip.py).
 
-`\\(`, `\\)`, `\\[`, `\\]` and `\\\\` are literal characters. A bracket without a partner is literal text,
-so no prompt fails to parse. An explicit weight multiplies the enclosing weights (A1111's rule; ComfyUI
-instead lets `((a:1.5))` be 1.5).
+- `(text)` multiplies the enclosing weight by 1.1; `((text))` is 1.21.
+- `(text:1.2)` sets the weight to 1.2, whatever encloses it (`((a:1.5))` is 1.5, not 1.65). The weight is
+  what follows the last colon, read as a Python float; a colon at the start or a non-number is text.
+- `[text]` is plain text: the brackets stay, no weighting.
+- `\\(` and `\\)` are literal parentheses; no other backslash sequence is special.
+- Groups are cut at top level: a `(` at depth 0 opens one, the `)` that brings the depth back to 0 closes
+  it. Unbalanced parentheses follow the same count: a stray `)` makes the depth negative (what follows is
+  text until the count returns), and a group still open at the end is weighted only if the text ends
+  with `)` (`(a (b)` is `a ` and `(b` at 1.1), else it is text.
+- Segments are never merged: each is tokenized on its own.
+
+`split_embedding_pieces` and `take_embedding_reference` split a segment at `embedding:NAME` references
+the way ComfyUI's SDTokenizer does (shared by the CLIP and T5 tokenizers).
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TypeVar
 
 ROUND_MULTIPLIER = 1.1
-SQUARE_MULTIPLIER = 1 / 1.1
+EMBEDDING_PREFIX = "embedding:"
+_ESCAPES = (("\\)", "\0\1"), ("\\(", "\0\2"))  # escaped parenthesis -> placeholder while parsing
+_EMBEDDING_SPLIT = re.compile(r"[ \n]embedding:")  # a reference starts the text or follows a space/newline
 
-_LEXER = re.compile(
-    r"""
-      \\(?P<escaped>[()\[\]\\])                                  # escaped bracket or backslash: literal
-    | :\s*(?P<weight>[+-]?(?:\d+(?:\.\d*)?|\.\d+))\s*\)          # ':1.2)' closes a weighted group
-    | (?P<bracket>[()\[\]])
-    | [^\\()\[\]:]+                                              # plain text
-    | [\\:]                                                      # a lone backslash or colon is literal
-    """,
-    re.VERBOSE,
-)
+Found = TypeVar("Found")
 
 
-@dataclass
-class _Item:
-    text: str  # the characters as written
-    kind: str  # "text", "open" or "close"
-    bracket: str = ""  # "(" or "[" for brackets (a closer names the opener it closes)
-    weight: float | None = None  # the explicit weight of a ':1.2)' closer
-    partner: int | None = None  # index of the matching bracket, None while unmatched
-
-
-def _lex(text: str) -> list[_Item]:
-    items = []
-    for match in _LEXER.finditer(text):
-        if match["escaped"] is not None:
-            items.append(_Item(match["escaped"], "text"))
-        elif match["weight"] is not None:
-            items.append(_Item(match[0], "close", "(", float(match["weight"])))
-        elif match["bracket"] in ("(", "["):
-            items.append(_Item(match[0], "open", match[0]))
-        elif match["bracket"] in (")", "]"):
-            items.append(_Item(match[0], "close", "(" if match[0] == ")" else "["))
+def _top_level_groups(text: str) -> list[str]:
+    """Cut `text` at depth-0 parentheses: plain runs and `(...)` groups, in order, none empty."""
+    groups, current, depth = [], "", 0
+    for char in text:
+        if char == "(":
+            if depth == 0 and current:
+                groups.append(current)
+                current = ""
+            current += char
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            current += char
+            if depth == 0:
+                groups.append(current)
+                current = ""
         else:
-            items.append(_Item(match[0], "text"))
-    return items
+            current += char
+    if current:
+        groups.append(current)
+    return groups
 
 
-def _pair_brackets(items: list[_Item]) -> None:
-    """Link each closer to the innermost open bracket of its kind; whatever stays unlinked is literal."""
-    open_indexes: list[int] = []
-    for index, item in enumerate(items):
-        if item.kind == "open":
-            open_indexes.append(index)
-        elif item.kind == "close" and open_indexes and items[open_indexes[-1]].bracket == item.bracket:
-            opener = open_indexes.pop()
-            items[opener].partner, item.partner = index, opener
+def _weighted_segments(text: str, weight: float) -> list[tuple[str, float]]:
+    segments = []
+    for group in _top_level_groups(text):
+        if not (len(group) >= 2 and group[0] == "(" and group[-1] == ")"):
+            segments.append((group, weight))
+            continue
+        inner, inner_weight = group[1:-1], weight * ROUND_MULTIPLIER
+        colon = inner.rfind(":")
+        if colon > 0:
+            try:
+                inner_weight = float(inner[colon + 1:])
+                inner = inner[:colon]
+            except ValueError:
+                pass  # not a number: the colon is text
+        segments.extend(_weighted_segments(inner, inner_weight))
+    return segments
 
 
-def _factor(closer: _Item) -> float:
-    if closer.weight is not None:
-        return closer.weight
-    return ROUND_MULTIPLIER if closer.bracket == "(" else SQUARE_MULTIPLIER
+def _escape(text: str) -> str:
+    for escaped, placeholder in _ESCAPES:
+        text = text.replace(escaped, placeholder)
+    return text
+
+
+def _unescape(text: str) -> str:
+    for escaped, placeholder in _ESCAPES:
+        text = text.replace(placeholder, escaped[1])
+    return text
 
 
 def parse_prompt_weights(text: str) -> list[tuple[str, float]]:
-    """Split `text` into (segment, weight) runs, merging neighbours of equal weight; empty text gives []."""
-    items = _lex(text)
-    _pair_brackets(items)
-    segments: list[list] = []  # [text, weight] runs
-    factors: list[float] = []  # one per open group, outermost first
-    for item in items:
-        if item.kind == "open" and item.partner is not None:
-            factors.append(_factor(items[item.partner]))
-            continue
-        if item.kind == "close" and item.partner is not None:
-            factors.pop()
-            continue
-        weight = math.prod(factors, start=1.0)
-        if segments and segments[-1][1] == weight:
-            segments[-1][0] += item.text
-        else:
-            segments.append([item.text, weight])
-    return [(segment, weight) for segment, weight in segments]
+    """Split `text` into (segment, weight) runs in order, escapes resolved; empty text gives []."""
+    return [(_unescape(segment), weight) for segment, weight in _weighted_segments(_escape(text), 1.0)]
+
+
+def split_embedding_pieces(segment: str) -> list[str]:
+    """Cut a segment before each `embedding:` that starts it or follows a space or newline (that separator
+    is dropped); the pieces after the first start with `embedding:`. Empty pieces are left out."""
+    first, *rest = _EMBEDDING_SPLIT.split(segment)
+    return [piece for piece in (first, *(EMBEDDING_PREFIX + r for r in rest)) if piece]
+
+
+def take_embedding_reference(piece: str, find: Callable[[str], Found | None]
+                             ) -> tuple[Found | None, str, str]:
+    """(what `find` gave, the name looked up, leftover text) for a piece starting with `embedding:`.
+
+    The name is the first whitespace-separated word after the prefix; the leftover is the rest, joined by
+    single spaces. A name not found is tried again without its surrounding commas, and the commas then
+    lead the leftover (`embedding:x, cat` -> `x`, leftover `, cat`), found or not.
+    """
+    words = piece[len(EMBEDDING_PREFIX):].strip("\n").split()
+    if not words:
+        return None, "", ""
+    name, leftover = words[0], " ".join(words[1:])
+    found = find(name)
+    stripped = name.strip(",")
+    if found is None and len(stripped) < len(name):
+        return find(stripped), stripped, f"{name[len(stripped):]} {leftover}"
+    return found, name, leftover

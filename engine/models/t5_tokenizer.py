@@ -2,8 +2,10 @@
 library) and prompt weighting for T5-XXL the way ComfyUI's FLUX text encoder does it.
 
 A prompt is one sequence, never cut into chunks nor truncated: its emphasis segments (`(a cat:1.3)`,
-engine/models/prompt_weights.py) are tokenized one by one, no start token, then `</s>` (id 1), then
-`<pad>` (id 0) up to `min_length` (256, ComfyUI's FLUX T5 tokenizer; SD3 uses 77).
+engine/models/prompt_weights.py, ComfyUI's parser) are tokenized one by one, no start token, then `</s>`
+(id 1), then `<pad>` (id 0) up to `min_length` (256, ComfyUI's FLUX T5 tokenizer; SD3 uses 77). An
+`embedding:NAME` reference is dropped with a warning, the text after its name kept (ComfyUI does the same
+for an embedding it does not find; Sluice loads no T5 embeddings).
 
 `encode_weighted` applies the weights as ComfyUI's `ClipTokenWeightEncoder.encode_token_weights`: when
 any weight differs from 1, the empty prompt (`</s>` then pads, the same length) is encoded in the same
@@ -13,6 +15,7 @@ output.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -20,7 +23,14 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from engine.models.prompt_weights import parse_prompt_weights
+from engine.models.prompt_weights import (
+    EMBEDDING_PREFIX,
+    parse_prompt_weights,
+    split_embedding_pieces,
+    take_embedding_reference,
+)
+
+logger = logging.getLogger("sluice.tokenizer")
 
 TOKENIZER_PATH = Path(__file__).resolve().parents[2] / "resources" / "t5_tokenizer" / "tokenizer.json"
 PAD_ID = 0  # <pad>
@@ -62,8 +72,14 @@ class T5Tokenizer:
         """(token, weight) pairs of the whole prompt, (`</s>`, 1.0), then (`<pad>`, 1.0) up to min_length."""
         if min_length < 1:
             raise ValueError(f"min_length must be >= 1, got {min_length}")
-        tokens = [(token, weight) for segment, weight in parse_prompt_weights(text)
-                  for token in self.encode(segment)]
+        tokens = []
+        for segment, weight in parse_prompt_weights(text):
+            for piece in split_embedding_pieces(segment):
+                if piece.startswith(EMBEDDING_PREFIX):
+                    _, name, piece = take_embedding_reference(piece, lambda name: None)
+                    logger.warning("embedding %r not found (T5 embeddings are not loaded); dropped from the "
+                                   "prompt", name)
+                tokens.extend((token, weight) for token in self.encode(piece))
         tokens.append((END_ID, 1.0))
         return tokens + [(PAD_ID, 1.0)] * (min_length - len(tokens))
 

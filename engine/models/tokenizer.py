@@ -10,7 +10,7 @@ Python's `re` has no `\\p{L}`, and the `regex` package is not a dependency, so `
 text with the same alternatives using `unicodedata` categories (L* = letter, N* = number).
 
 `tokenize_weighted` turns a prompt with emphasis and `embedding:name` references into 77-token chunks
-(BOS, 75 tokens, EOS, padding) the way ComfyUI does.
+(BOS, 75 tokens, EOS, padding) exactly as ComfyUI's SDTokenizer.tokenize_with_weights does.
 """
 
 from __future__ import annotations
@@ -27,7 +27,12 @@ from pathlib import Path
 
 import torch
 
-from engine.models.prompt_weights import parse_prompt_weights
+from engine.models.prompt_weights import (
+    EMBEDDING_PREFIX,
+    parse_prompt_weights,
+    split_embedding_pieces,
+    take_embedding_reference,
+)
 
 logger = logging.getLogger("sluice.tokenizer")
 
@@ -35,7 +40,7 @@ MERGES_PATH = Path(__file__).resolve().parents[2] / "resources" / "tokenizer" / 
 MERGE_COUNT = 49152 - 256 - 2  # merges CLIP uses: vocabulary 49408 = 2 * 256 bytes + merges + 2 specials
 BOS_TOKEN, EOS_TOKEN = "<|startoftext|>", "<|endoftext|>"
 CHUNK_TOKENS = 75  # prompt tokens per chunk; with BOS and EOS a chunk is CLIP's 77-token context
-EMBEDDING_PREFIX = "embedding:"
+KEEP_WHOLE_BELOW = 8  # a token group shorter than this moves whole to the next chunk (ComfyUI's rule)
 EMBEDDING_EXTENSIONS = (".safetensors", ".pt", ".bin")  # stripped from `embedding:name.ext` before lookup
 CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
 PAD_CHOICES = ("eos", "zero")
@@ -183,31 +188,32 @@ class CLIPTokenizer:
         text = bytes(self.byte_decoder[c] for c in chars).decode("utf-8", errors="replace")
         return text.replace("</w>", " ").strip()
 
-    def tokenize_weighted(self, text: str, embedding_lookup: EmbeddingLookup | None = None,
-                          max_word_length: int = CHUNK_TOKENS) -> list[list[WeightedToken]]:
+    def tokenize_weighted(self, text: str, embedding_lookup: EmbeddingLookup | None = None
+                          ) -> list[list[WeightedToken]]:
         """Chunks of 77 (token, weight) pairs: BOS, up to 75 prompt tokens, EOS, pads (ComfyUI's layout).
 
-        A word (whitespace-separated, or one embedding) that does not fit in the current chunk moves whole to
-        the next one; only a word of more than `max_word_length` tokens (or more than a chunk) is cut to fill
-        the chunk. ComfyUI keeps whole only words of fewer than 8 tokens (`max_word_length=7` here).
+        The token groups are the emphasis segments, each cut further at `embedding:` references (a
+        reference's vectors and the text after its name are groups of their own). Groups fill the chunk in
+        order; a group that does not fit starts the next chunk whole if it has fewer than KEEP_WHOLE_BELOW
+        tokens, else it is cut to fill the chunk exactly (so a plain long prompt is cut at 75 tokens,
+        inside a word if need be). With `embedding_lookup` None, `embedding:` is plain text (ComfyUI with
+        no embeddings folder); with a lookup, a reference it does not find is dropped with a warning.
         """
-        words = self._weighted_words(text, embedding_lookup)
         chunks: list[list[WeightedToken]] = []
         chunk: list[WeightedToken] = []
-        for word in words:
-            while word:
+        for group in self._token_groups(text, embedding_lookup):
+            keep_whole = len(group) < KEEP_WHOLE_BELOW
+            while group:
                 room = CHUNK_TOKENS - len(chunk)
-                if len(word) <= room:
-                    chunk.extend(word)
-                    word = []
-                elif len(word) > max_word_length or not chunk:  # cut: too long to keep whole
-                    chunk.extend(word[:room])
-                    word = word[room:]
-                    chunks.append(chunk)
-                    chunk = []
-                else:
-                    chunks.append(chunk)
-                    chunk = []
+                if len(group) <= room:
+                    chunk.extend(group)
+                    group = []
+                    continue
+                if not keep_whole:
+                    chunk.extend(group[:room])
+                    group = group[room:]
+                chunks.append(chunk)
+                chunk = []
         chunks.append(chunk)
         return [self._frame(chunk) for chunk in chunks]
 
@@ -215,34 +221,33 @@ class CLIPTokenizer:
         padding = [(self.pad_id, 1.0)] * (CHUNK_TOKENS - len(tokens))
         return [(self.bos_id, 1.0), *tokens, (self.eos_id, 1.0), *padding]
 
-    def _weighted_words(self, text: str, embedding_lookup: EmbeddingLookup | None
-                        ) -> list[list[WeightedToken]]:
-        """The prompt's words as lists of (token, weight), embedding references replaced by their vectors."""
-        words = []
+    def _token_groups(self, text: str, embedding_lookup: EmbeddingLookup | None
+                      ) -> list[list[WeightedToken]]:
+        """The prompt's token groups as lists of (token, weight), embedding references replaced by vectors."""
+        groups = []
         for segment, weight in parse_prompt_weights(text):
-            for word in segment.split():
-                if word.startswith(EMBEDDING_PREFIX):
-                    reference, comma, rest = word[len(EMBEDDING_PREFIX):].partition(",")
-                    vectors = self._embedding_vectors(reference, embedding_lookup)
-                    if vectors is not None:
-                        words.append([(vector, weight) for vector in vectors])
-                        word = comma + rest
-                tokens = [(token, weight) for token in self.encode(word)]
+            for piece in split_embedding_pieces(segment):
+                if piece.startswith(EMBEDDING_PREFIX) and embedding_lookup is not None:
+                    vectors, name, piece = take_embedding_reference(
+                        piece, lambda name: self._embedding_vectors(name, embedding_lookup))
+                    if vectors is None:
+                        logger.warning("embedding %r not found; dropped from the prompt", name)
+                    else:
+                        groups.append([(vector, weight) for vector in vectors])
+                tokens = [(token, weight) for token in self.encode(piece)]
                 if tokens:
-                    words.append(tokens)
-        return words
+                    groups.append(tokens)
+        return groups
 
-    def _embedding_vectors(self, reference: str, embedding_lookup: EmbeddingLookup | None
+    def _embedding_vectors(self, reference: str, embedding_lookup: EmbeddingLookup
                            ) -> list[EmbeddingVector] | None:
-        """The vectors of embedding `reference` (`name` or `name.ext`); None, with a warning, if unknown."""
+        """The vectors of embedding `reference` (`name` or `name.ext`); None if not found."""
         name = reference
         for extension in EMBEDDING_EXTENSIONS:
             if name.endswith(extension) and len(name) > len(extension):
                 name = name[: -len(extension)]
-        tensor = embedding_lookup(name) if embedding_lookup is not None and name else None
+        tensor = embedding_lookup(name) if name else None
         if tensor is None:
-            logger.warning("embedding %r not found; keeping '%s%s' as text", name, EMBEDDING_PREFIX,
-                           reference)
             return None
         if tensor.ndim == 1:
             tensor = tensor[None]  # (1, width)

@@ -40,7 +40,7 @@ def test_saved_png_holds_the_workflow_and_the_api_prompt(tmp_path: Path) -> None
     }
     with Image.open(path) as saved:
         pixels = np.asarray(saved)
-    expected = np.clip(np.round(image.numpy() * 255), 0, 255).astype(np.uint8)
+    expected = np.clip(255.0 * image.numpy(), 0, 255).astype(np.uint8)  # ComfyUI truncates
     assert np.array_equal(pixels, expected)
 
 
@@ -101,3 +101,13 @@ def test_bad_image_files_are_named(tmp_path: Path) -> None:
         load_image(tmp_path / "absent.png")
     with pytest.raises(ValueError, match=r"expected one image of shape \(H, W, 3\); got \(2, 2\)"):
         tensor_to_pil(torch.zeros(2, 2))
+
+
+def test_levels_are_truncated_like_comfyuis_save_image(tmp_path: Path) -> None:
+    # ComfyUI: np.clip(255. * x, 0, 255).astype(np.uint8); values written down by hand.
+    values = [0.0, 0.999, 0.5, 1 / 255, 0.00392, 0.998, 1.0, 1.5, -0.2]
+    expected = [0, 254, 127, 1, 0, 254, 255, 255, 0]  # 255/255 is exactly 1.0 in float32; 0.00392 < 1/255
+    image = torch.tensor(values, dtype=torch.float32)[None, :, None].expand(1, len(values), 3)
+    assert np.asarray(tensor_to_pil(image))[0, :, 0].tolist() == expected
+    path = save_png(image, tmp_path / "levels.png", {})
+    assert np.asarray(Image.open(path))[0, :, 1].tolist() == expected

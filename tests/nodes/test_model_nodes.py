@@ -112,7 +112,8 @@ def direct_models(path: Path, family: str) -> dict[str, Any]:
 
 def direct_encode(models: dict[str, Any], text: str, clip_skip: int | None = None) -> Any:
     kinds = [e.config.kind for e in models["encoders"]]
-    chunks = {kind: CLIPTokenizer("eos" if kind == "clip_l" else "zero").tokenize_weighted(text)
+    nothing = lambda name: None  # noqa: E731 - the nodes' lookup finds none: references are dropped
+    chunks = {kind: CLIPTokenizer("eos" if kind == "clip_l" else "zero").tokenize_weighted(text, nothing)
               for kind in kinds}
     per_encoder = chunks if len(chunks) == 2 else next(iter(chunks.values()))
     return models["conditioner"].encode(per_encoder, clip_skip)

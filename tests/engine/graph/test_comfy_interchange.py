@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import random
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -33,6 +34,7 @@ from engine.graph.spec import (
     string_input,
 )
 from engine.graph.validate import validate
+from nodes.registry import default_registry
 
 
 class ComfyTestNode(NodeType):
@@ -585,3 +587,70 @@ def test_cli_validate_reads_a_comfyui_prompt_and_prints_import_warnings(tmp_path
     assert "sluice: warning:" in err and "NoSuchComfyNode (node 1)" in err
     assert "unknown node type 'NoSuchComfyNode'" in out
 
+
+
+# -- ComfyUI's own default workflow, with Sluice's real node types --
+
+DEFAULT_FIXTURE = Path(__file__).parent / "fixtures" / "comfyui_default.json"
+DEFAULT_WIDGETS = {
+    "4": {"ckpt_name": "v1-5-pruned-emaonly-fp16.safetensors"},
+    "6": {"text": "beautiful scenery nature glass bottle landscape, , purple galaxy bottle,"},
+    "7": {"text": "text, watermark"},
+    "5": {"width": 512, "height": 512, "batch_size": 1},
+    "3": {"seed": 156680208700286, "steps": 20, "cfg": 8, "sampler_name": "euler", "scheduler": "normal",
+          "denoise": 1},
+    "9": {"filename_prefix": "ComfyUI"},
+}
+
+
+def _frontend_default_graph() -> dict:
+    """The frontend's defaultGraph.ts: the seed followed by `true`, SaveImage without widgets_values."""
+    data = json.loads(DEFAULT_FIXTURE.read_text(encoding="utf-8"))
+    for node in data["nodes"]:
+        if node["type"] == "KSampler":
+            node["widgets_values"][1] = True
+        if node["type"] in ("SaveImage", "VAEDecode"):
+            del node["widgets_values"]
+    return data
+
+
+@pytest.mark.parametrize("variant", ["saved", "frontend_default_graph"])
+def test_comfyuis_default_workflow_imports_with_its_widget_values(variant):
+    registry = default_registry()
+    data = json.loads(DEFAULT_FIXTURE.read_text(encoding="utf-8")) if variant == "saved" \
+        else _frontend_default_graph()
+    workflow, warnings = from_comfy_ui(data, registry.get)
+    expected = dict(DEFAULT_WIDGETS)
+    if variant == "frontend_default_graph":  # no value: Sluice's default prefix, with a warning
+        default_prefix = registry.get("SaveImage").default_widget_values()["filename_prefix"]
+        expected["9"] = {"filename_prefix": default_prefix}
+        assert warnings == ["node 9 (SaveImage): widgets_values has no value for filename_prefix; using the "
+                            "default"]
+    else:
+        assert warnings == []
+    for node_id, values in expected.items():
+        node = workflow.nodes[node_id]
+        assert {name: node.widgets[name] for name in values} == values, node.type
+    assert workflow.nodes["3"].seed_controls == {"seed": "randomize"}
+    assert len(workflow.links) == 9
+    errors = validate(workflow, registry.get)
+    assert [(e.node_id, e.input_name) for e in errors] == [("4", "ckpt_name")]
+    assert "v1-5-pruned-emaonly-fp16.safetensors" in str(errors[0])
+
+
+def test_a_boolean_seed_control_reads_as_comfyuis_toggle():
+    data = _frontend_default_graph()
+    data["nodes"][3]["widgets_values"][1] = False
+    workflow, _ = from_comfy_ui(data, default_registry().get)
+    assert workflow.nodes["3"].seed_controls == {"seed": "fixed"}
+    assert workflow.nodes["3"].widgets["steps"] == 20
+
+
+def test_cli_validate_on_comfyuis_default_workflow_reports_only_the_missing_model(tmp_path, capsys):
+    code = main(["--plugins", str(tmp_path / "plugins"), "--models", str(tmp_path / "models"),
+                 "--output", str(tmp_path / "out"), "validate", str(DEFAULT_FIXTURE)])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert out.strip().splitlines() == [line for line in out.strip().splitlines()
+                                        if "v1-5-pruned-emaonly-fp16.safetensors" in line]
+    assert len(out.strip().splitlines()) == 1

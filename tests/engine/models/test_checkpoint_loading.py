@@ -11,16 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.memory.runtime import MemoryRuntime
 from engine.models import loader
 from engine.models.bundles import MissingComponentError
 from engine.models.clip import UNUSED_CHECKPOINT_KEYS, component_prefix
-from engine.models.detect import UnsupportedModelError
+from engine.models.detect import UnsupportedModelError, detect
 from engine.models.formats import CheckpointError
 from engine.models.vae import AutoencoderKL
 from engine.sampling.model_sampling import EpsPrediction, VPrediction
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sd_checkpoints import XL_TE_G, XL_TE_L, save_state_dict, write_checkpoint  # noqa: E402
+from sd_checkpoints import SD1_TE, XL_TE_G, XL_TE_L, save_state_dict, write_checkpoint  # noqa: E402
 
 UNET_PREFIX, VAE_PREFIX = "model.diffusion_model.", "first_stage_model."
 
@@ -110,6 +111,24 @@ def test_sdxl_text_encoders_from_two_files_encode_like_the_checkpoint(files: dic
     [[reference_context, reference_extras]] = single.encode("a (lighthouse:1.3) at dusk")
     assert torch.equal(context, reference_context)
     assert torch.equal(extras["pooled_output"], reference_extras["pooled_output"])
+
+
+@pytest.mark.parametrize("params", ["device", "disk"])
+def test_sd1_clip_keys_without_text_model_load_like_the_normal_file(files: dict[str, Path], tmp_path: Path,
+                                                                   params: str) -> None:
+    # Older transformers wrote `cond_stage_model.transformer.embeddings...`; ComfyUI renames them.
+    tensors = load_file(files["sd1"])
+    bare = {k.replace(SD1_TE, "cond_stage_model.transformer."): v for k, v in tensors.items()}
+    assert bare.keys() != tensors.keys() and not any("text_model." in k for k in bare)
+    save_file(bare, tmp_path / "bare.safetensors")
+    info, reference_info = detect(bare), detect(tensors)
+    assert (info.layout, info.family) == ("sd1", reference_info.family)
+    assert [x.key_prefix for x in info.text_encoders] == ["cond_stage_model.transformer."]
+    runtime = MemoryRuntime() if params == "disk" else None
+    _, clip, _ = loader.load_checkpoint(tmp_path / "bare.safetensors", params=params, runtime=runtime)
+    _, reference, _ = loader.load_checkpoint(files["sd1"])
+    [[context, _]] = clip.encode("a (red:1.2) fox")
+    assert torch.equal(context, reference.encode("a (red:1.2) fox")[0][0])
 
 
 def test_torch_zip_checkpoint_loads_like_safetensors(tmp_path: Path) -> None:

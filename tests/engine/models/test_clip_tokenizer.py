@@ -121,61 +121,45 @@ def _prompt_tokens(chunk):
     return [token for token, _ in chunk[1:eos_at]]
 
 
-def test_long_prompt_is_cut_at_word_boundaries_into_77_token_chunks(tokenizer):
-    rng = random.Random(1)
-    words = ["castle", "supercalifragilisticexpialidocious", "red", "highly-detailed", "8k,", "bird's-eye"]
-    prompt_words = []
-    while sum(len(tokenizer.encode(w)) for w in prompt_words) < 200:
-        prompt_words.append(rng.choice(words))
-    prompt = " ".join(prompt_words)
-    word_tokens = [tokenizer.encode(w) for w in prompt_words]
-    chunks = tokenizer.tokenize_weighted(prompt, embedding_lookup=None)
-
-    assert len(chunks) == 3
-    for chunk in chunks:
-        assert len(chunk) == CHUNK_TOKENS + 2
-        assert chunk[0] == (49406, 1.0)
-        body = _prompt_tokens(chunk)
-        assert chunk[len(body) + 1] == (49407, 1.0)
-        assert [t for t, _ in chunk[len(body) + 2:]] == [tokenizer.pad_id] * (CHUNK_TOKENS - len(body))
-    # greedy packing of whole words: a word that does not fit starts the next chunk
-    expected, body = [], []
-    for tokens in word_tokens:
-        if len(body) + len(tokens) > CHUNK_TOKENS:
-            expected.append(body)
-            body = []
-        body = body + tokens
-    expected.append(body)
-    assert [_prompt_tokens(chunk) for chunk in chunks] == expected
-    assert any(len(body) < CHUNK_TOKENS for body in expected[:-1])  # the boundary rule was exercised
+CAT, CASTLE, DASH, BIG, RED, DOG = 2368, 3540, 268, 1205, 736, 1929  # CLIP ids of 'cat</w>', ... '-</w>'
 
 
-def test_a_word_longer_than_a_chunk_is_cut_to_fill_chunks(tokenizer):
-    word = "-".join(["abc"] * 60)  # 119 tokens, no spaces
-    tokens = tokenizer.encode(word)
-    assert len(tokens) > CHUNK_TOKENS
-    chunks = tokenizer.tokenize_weighted("cat " + word)
-    assert len(_prompt_tokens(chunks[0])) == CHUNK_TOKENS
-    assert _prompt_tokens(chunks[0]) + _prompt_tokens(chunks[1]) == tokenizer.encode("cat") + tokens
+def test_a_long_plain_prompt_is_cut_at_exactly_75_tokens_inside_a_word(tokenizer):
+    # ComfyUI: one unweighted segment is one token group; a group of 8+ tokens is cut to fill the chunk.
+    assert tokenizer.encode("castle-castle") == [CASTLE, DASH, CASTLE]
+    chunks = tokenizer.tokenize_weighted("cat " * 74 + "castle-castle")
+    assert [len(chunk) for chunk in chunks] == [CHUNK_TOKENS + 2] * 2
+    assert chunks[0] == [(49406, 1.0)] + [(CAT, 1.0)] * 74 + [(CASTLE, 1.0), (49407, 1.0)]
+    assert chunks[1] == [(49406, 1.0), (DASH, 1.0), (CASTLE, 1.0)] + [(49407, 1.0)] * 74
 
 
-def test_max_word_length_sets_which_words_may_be_cut(tokenizer):
-    filler = "cat " * 70  # 70 tokens
-    word = "-".join(["abc"] * 5)  # 9 tokens
-    assert len(tokenizer.encode(filler)) == 70 and len(tokenizer.encode(word)) == 9
-    kept_whole = tokenizer.tokenize_weighted(filler + word)
-    assert len(_prompt_tokens(kept_whole[0])) == 70 and len(_prompt_tokens(kept_whole[1])) == 9
-    cut = tokenizer.tokenize_weighted(filler + word, max_word_length=7)
-    assert len(_prompt_tokens(cut[0])) == 75 and len(_prompt_tokens(cut[1])) == 4
-    huge = tokenizer.tokenize_weighted("-".join(["abc"] * 50), max_word_length=1000)  # longer than a chunk
+def test_a_short_group_that_does_not_fit_moves_whole_to_the_next_chunk(tokenizer):
+    chunks = tokenizer.tokenize_weighted("cat " * 74 + "(big red dog:1.2)")
+    assert chunks[0] == [(49406, 1.0)] + [(CAT, 1.0)] * 74 + [(49407, 1.0)] * 2
+    assert chunks[1] == [(49406, 1.0), (BIG, 1.2), (RED, 1.2), (DOG, 1.2)] + [(49407, 1.0)] * 73
+
+
+def test_a_group_of_8_tokens_is_cut_and_one_longer_than_a_chunk_fills_chunks(tokenizer):
+    eight = "(cat cat cat cat cat cat cat cat:1.5)"
+    chunks = tokenizer.tokenize_weighted("cat " * 70 + eight)
+    assert _prompt_tokens(chunks[0]) == [CAT] * 75 and [w for _, w in chunks[0][71:76]] == [1.5] * 5
+    assert chunks[1][:5] == [(49406, 1.0), (CAT, 1.5), (CAT, 1.5), (CAT, 1.5), (49407, 1.0)]
+    huge = tokenizer.tokenize_weighted("-".join(["abc"] * 50))  # 99 tokens
     assert [len(_prompt_tokens(chunk)) for chunk in huge] == [75, 24]
+    word = "-".join(["abc"] * 60)  # 119 tokens, no spaces
+    chunks = tokenizer.tokenize_weighted("cat " + word)
+    assert _prompt_tokens(chunks[0]) + _prompt_tokens(chunks[1]) == [CAT] + tokenizer.encode(word)
+    assert len(_prompt_tokens(chunks[0])) == CHUNK_TOKENS
 
 
-def test_weights_travel_with_their_tokens(tokenizer):
+def test_weights_travel_with_their_tokens_and_square_brackets_are_text(tokenizer):
     (chunk,) = tokenizer.tokenize_weighted("a (red:1.5) [dog]")
-    body = chunk[1:5]
-    assert [t for t, _ in body] == tokenizer.encode("a red dog") + [49407]
-    assert [w for _, w in body[:3]] == pytest.approx([1.0, 1.5, 1 / 1.1])
+    assert chunk[:9] == [(49406, 1.0), (320, 1.0), (RED, 1.5), (314, 1.0), (DOG, 1.0), (316, 1.0),
+                         (49407, 1.0), (49407, 1.0), (49407, 1.0)]
+    (chunk,) = tokenizer.tokenize_weighted("(a:1.2) ((b))")
+    assert chunk[:4] == [(49406, 1.0), (320, 1.2), (321, pytest.approx(1.21)), (49407, 1.0)]
+    (chunk,) = tokenizer.tokenize_weighted(r"\(a\) \[x")
+    assert _prompt_tokens(chunk) == [263, 320, 264, 59, 314, 343]  # '(' 'a' ')' '\\' '[' 'x'
 
 
 def test_embedding_reference_becomes_its_vectors_with_weight(tokenizer):
@@ -199,8 +183,14 @@ def test_embedding_reference_becomes_its_vectors_with_weight(tokenizer):
     assert len(body) == len(cat) + 3 + 1 + 3  # the comma between the two references is text
 
 
-def test_unknown_embedding_warns_and_keeps_the_text(tokenizer, caplog):
+def test_unknown_embedding_warns_and_is_dropped(tokenizer, caplog):
     with caplog.at_level(logging.WARNING, logger="sluice.tokenizer"):
-        (chunk,) = tokenizer.tokenize_weighted("embedding:missing cat", lambda name: None)
-    assert "missing" in caplog.text
-    assert _prompt_tokens(chunk) == tokenizer.encode("embedding:missing cat")
+        prompt = "a embedding:missing cat, embedding:gone, dog"
+        (chunk,) = tokenizer.tokenize_weighted(prompt, lambda name: None)
+    assert "'missing' not found" in caplog.text and "'gone' not found" in caplog.text
+    assert _prompt_tokens(chunk) == [320, CAT, 267, 267, DOG]  # 'a' 'cat' ',' then the leftover ',' 'dog'
+
+
+def test_without_an_embedding_lookup_the_reference_is_text(tokenizer):
+    (chunk,) = tokenizer.tokenize_weighted("embedding:missing cat")
+    assert _prompt_tokens(chunk) == [19703, 796, 281, 3423, CAT]

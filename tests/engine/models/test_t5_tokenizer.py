@@ -4,6 +4,8 @@ and the weighted encoding against the empty prompt."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import T5TokenizerFast
@@ -130,3 +132,12 @@ def test_weighted_encoding_runs_through_a_t5_encoder(tokenizer):
     assert hidden.shape == (1, 16, 32)
     assert torch.equal(hidden[:, 3:], plain[:, 3:])  # "▁", "a", "▁cat" carry 1.2
     assert not torch.allclose(hidden[:, :3], plain[:, :3])
+
+
+def test_square_brackets_are_text_and_embedding_references_are_dropped(tokenizer, reference, caplog):
+    with caplog.at_level(logging.WARNING, logger="sluice.tokenizer"):
+        tokens = tokenizer.tokenize_weighted("[a cat] embedding:style, on (a mat:1.2)")
+    assert "'style' not found" in caplog.text
+    segments = [("[a cat]", 1.0), (", on ", 1.0), ("a mat", 1.2)]
+    expected = [(i, weight) for text, weight in segments for i in reference(text)["input_ids"][:-1]]
+    assert tokens[: len(expected) + 1] == expected + [(END_ID, 1.0)]
