@@ -46,6 +46,7 @@ from nodes.sampling import (
 SIGMA_LIMIT = 5000.0
 SD_SIGMA_MAX = 14.614642  # ComfyUI's defaults for the explicit schedulers: SD1's sigma range
 SD_SIGMA_MIN = 0.0291675
+TURBO_TIMESTEPS = 10  # SDTurboScheduler picks from timesteps 999, 899, ..., 99
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,23 @@ class BetaSamplingScheduler(NodeType):
         return (schedulers.beta(model.model_sampling, steps, alpha, beta),)
 
 
+class SDTurboScheduler(NodeType):
+    category = "sampling/schedulers"
+    description = ("SD-Turbo's sigmas: the model's sigmas at timesteps 999, 899, ..., 99, starting "
+                   "10 - int(10 x denoise) steps in, `steps` of them (fewer when they run out), then 0.")
+    inputs = (link_input("model", "MODEL"),
+              int_input("steps", 1, min=1, max=TURBO_TIMESTEPS),
+              float_input("denoise", 1.0, min=0.0, max=1.0, step=0.01))
+    outputs = (Output("SIGMAS", "SIGMAS"),)
+
+    def run(self, ctx: RunContext, model: Any, steps: int, denoise: float) -> tuple:
+        model = require(model, "MODEL", DiffusionModel)
+        start = TURBO_TIMESTEPS - int(TURBO_TIMESTEPS * denoise)
+        timesteps = (torch.arange(TURBO_TIMESTEPS, 0, -1) * 100 - 1)[start:start + steps]  # 999, 899, ...
+        sigmas = model.model_sampling.t_to_sigma(timesteps.float())
+        return (torch.cat([sigmas, sigmas.new_zeros(1)]),)
+
+
 class SplitSigmas(NodeType):
     category = "sampling/sigmas"
     description = "Splits the sigmas at `step`: high_sigmas are steps 0..step, low_sigmas step..end (shared)."
@@ -305,5 +323,5 @@ class SamplerCustom(NodeType):
 
 
 NODE_TYPES = (SamplerCustom, SamplerCustomAdvanced, RandomNoise, DisableNoise, KSamplerSelect, BasicScheduler,
-              KarrasScheduler, ExponentialScheduler, BetaSamplingScheduler, SplitSigmas, SplitSigmasDenoise,
-              FlipSigmas, CFGGuider, BasicGuider)
+              KarrasScheduler, ExponentialScheduler, BetaSamplingScheduler, SDTurboScheduler, SplitSigmas,
+              SplitSigmasDenoise, FlipSigmas, CFGGuider, BasicGuider)
