@@ -105,7 +105,7 @@ class ImageCompositeMasked(NodeType):
     description = ("Pastes source onto destination at (x, y) through the optional mask (resized to the "
                    "source); resize_source first scales the source to the destination's size. The source "
                    "batch repeats to the destination's; a 4-channel source loses its alpha over a 3-channel "
-                   "destination, and a 3-channel destination gains an opaque alpha under a 4-channel one.")
+                   "destination, and a 3-channel source gains an opaque alpha over a 4-channel one.")
     inputs = (link_input("destination", "IMAGE"), link_input("source", "IMAGE"),
               int_input("x", 0, min=0, max=MAX_RESOLUTION),
               int_input("y", 0, min=0, max=MAX_RESOLUTION),
@@ -119,7 +119,7 @@ class ImageCompositeMasked(NodeType):
         if destination.shape[-1] < source.shape[-1]:
             source = source[..., :destination.shape[-1]]
         elif destination.shape[-1] > source.shape[-1]:
-            destination = torch.nn.functional.pad(destination, (0, 1), value=1.0)
+            source = torch.nn.functional.pad(source, (0, 1), value=1.0)
         result = composite(destination.movedim(-1, 1), source.movedim(-1, 1), x, y, mask, 1, resize_source)
         return (result.movedim(1, -1).contiguous(),)
 
