@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from engine.jsonfile import JsonInputError, read_json_file
+
 # Model kind -> folder names under the models root (ComfyUI's layout, with its legacy aliases).
 MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
     "checkpoints": ("checkpoints",),
@@ -157,9 +159,9 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SettingsError(f"cannot read settings file {path}: {error}") from error
+        data = read_json_file(path, "settings file")
+    except JsonInputError as error:
+        raise SettingsError(str(error)) from None
     if not isinstance(data, dict):
         raise SettingsError(f"settings file {path} must hold a JSON object, got {type(data).__name__}")
     for key in PATH_KEYS:
