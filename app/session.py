@@ -80,7 +80,21 @@ class RecoveryStore:
             raise WorkflowError(str(error)) from None
         if not isinstance(data, dict) or "workflow" not in data:
             raise WorkflowError(f"the recovery file {self.path} holds no workflow")
-        return Workflow.from_dict(data["workflow"]), data.get("file")
+        file_path = data.get("file")
+        if file_path is not None and not isinstance(file_path, str):
+            raise WorkflowError(f"the recovery file {self.path}: \"file\" must be a path or null, "
+                                f"got {file_path!r}")
+        try:
+            return Workflow.from_dict(data["workflow"]), file_path
+        except WorkflowError as error:
+            raise WorkflowError(f"the recovery file {self.path}: {error}") from None
+
+    def set_aside(self) -> Path:
+        """Rename an unreadable recovery file to recovery.json.bad (replacing an older one), so that it is
+        neither offered again nor lost; returns the new path."""
+        bad = self.path.with_name(self.path.name + ".bad")
+        os.replace(self.path, bad)
+        return bad
 
     def mark_clean_exit(self) -> None:
         if self.path.exists():
