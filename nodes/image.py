@@ -19,7 +19,7 @@ import torch
 from engine import telemetry
 from engine.graph.spec import NodeType, Output, RunContext, link_input, string_input
 from engine.images import load_image, save_png, workflow_chunks
-from engine.settings import Settings
+from engine.settings import Settings, output_prefix_problem
 from nodes.loaders import current_settings
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class SaveImage(NodeType):
     description = ("Saves images as PNGs named prefix_00001_.png in the output folder (never overwriting), "
                    "with the workflow embedded.")
     output_node = True
-    inputs = (link_input("images", "IMAGE"), string_input("filename_prefix", "Sluice"))
+    inputs = (link_input("images", "IMAGE"),
+              string_input("filename_prefix", "Sluice", check=output_prefix_problem))
     outputs = ()
 
     def run(self, ctx: RunContext, images: torch.Tensor, filename_prefix: str) -> tuple:
