@@ -227,8 +227,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
         printer.close()
         if trace is not None:
             print(f"sluice: trace written to {trace.close()}", file=sys.stderr)
-    for saved in printer.saved_files:
-        print(saved)
+    print_saved_files(printer.saved_files)
     if result.status == "finished":
         return EXIT_OK
     if result.status == "interrupted":
@@ -250,6 +249,13 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
 
 
 # -- progress lines (a telemetry subscriber) --
+
+def print_saved_files(paths: list[str]) -> None:
+    """One saved path a line on stdout; a path with a control character (a newline could make it read as
+    two paths) is printed as a quoted Python string literal instead."""
+    for path in paths:
+        print(path if path.isprintable() else repr(path))
+
 
 SAVED_FILE_EVENT = "image_saved"  # published by nodes that write a file: bus.publish("image_saved", path=...)
 

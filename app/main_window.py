@@ -3,6 +3,7 @@ slots for other panels through `add_dock`), files with autosave and crash recove
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import traceback
@@ -47,6 +48,8 @@ from engine.graph.document import Workflow
 from engine.graph.errors import WorkflowError
 from engine.settings import Settings, resources_dir
 from nodes.registry import NodeRegistry, default_registry
+
+log = logging.getLogger(__name__)
 
 AUTOSAVE_SECONDS = 30
 AUTOSAVE_DEBOUNCE_MS = 1500
@@ -422,7 +425,12 @@ class MainWindow(QMainWindow):
         try:
             workflow, file_path = self.recovery.read()
         except WorkflowError as error:
-            self.show_message(str(error))
+            try:
+                kept = f"; kept as {self.recovery.set_aside()}"
+            except OSError as rename_error:
+                kept = f"; it could not be set aside ({rename_error})"
+            log.warning("recovery not restored: %s%s", error, kept)
+            self.show_message(f"Recovery not restored: {error}{kept}")
             return False
         self.set_document(workflow, file_path)
         self.restored_unsaved = True

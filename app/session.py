@@ -15,6 +15,7 @@ from PySide6.QtCore import QSettings, QStandardPaths
 
 from engine.graph.document import FORMAT, Workflow
 from engine.graph.errors import WorkflowError
+from engine.jsonfile import JsonInputError, read_json_file
 
 RECENT_LIMIT = 10
 PNG_WORKFLOW_KEYS = ("sluice-workflow", "workflow", "prompt")  # text chunks that may hold a workflow
@@ -74,12 +75,26 @@ class RecoveryStore:
     def read(self) -> tuple[Workflow, str | None]:
         """The saved document and its file path; WorkflowError when the file is unreadable."""
         try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise WorkflowError(f"cannot read the recovery file {self.path}: {error}") from None
+            data = read_json_file(self.path, "the recovery file")
+        except JsonInputError as error:
+            raise WorkflowError(str(error)) from None
         if not isinstance(data, dict) or "workflow" not in data:
             raise WorkflowError(f"the recovery file {self.path} holds no workflow")
-        return Workflow.from_dict(data["workflow"]), data.get("file")
+        file_path = data.get("file")
+        if file_path is not None and not isinstance(file_path, str):
+            raise WorkflowError(f"the recovery file {self.path}: \"file\" must be a path or null, "
+                                f"got {file_path!r}")
+        try:
+            return Workflow.from_dict(data["workflow"]), file_path
+        except WorkflowError as error:
+            raise WorkflowError(f"the recovery file {self.path}: {error}") from None
+
+    def set_aside(self) -> Path:
+        """Rename an unreadable recovery file to recovery.json.bad (replacing an older one), so that it is
+        neither offered again nor lost; returns the new path."""
+        bad = self.path.with_name(self.path.name + ".bad")
+        os.replace(self.path, bad)
+        return bad
 
     def mark_clean_exit(self) -> None:
         if self.path.exists():
@@ -109,8 +124,8 @@ def is_native_workflow_file(path: str | os.PathLike[str]) -> bool:
     if path.suffix.lower() != ".json":
         return False
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = read_json_file(path, "workflow")
+    except JsonInputError:
         return False
     return isinstance(data, dict) and data.get("format") == FORMAT
 

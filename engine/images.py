@@ -96,7 +96,7 @@ def save_png(image: torch.Tensor, path: str | os.PathLike[str], text: dict[str, 
     info = PngImagePlugin.PngInfo()
     for key, value in (text or {}).items():
         info.add_text(key, value)
-    with open(path, "xb") as file:  # "x": never overwrite
+    with open(path, "xb") as file:  # "x" is O_CREAT | O_EXCL: never overwrites, never follows a symbolic link
         tensor_to_pil(image).save(file, format="PNG", pnginfo=info, compress_level=compress_level)
     return path
 

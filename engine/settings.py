@@ -12,10 +12,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from engine.jsonfile import JsonInputError, read_json_file
+
+# Unicode categories an output prefix may not hold: control characters, line and paragraph separators.
+CONTROL_CATEGORIES = ("Cc", "Zl", "Zp")
 
 # Model kind -> folder names under the models root (ComfyUI's layout, with its legacy aliases).
 MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
@@ -103,9 +109,7 @@ class Settings:
 
     def output_path(self, prefix: str, extension: str) -> Path:
         """A new file path `prefix_00001_.ext` under output_dir; never an existing file, never outside."""
-        relative = _safe_relative(prefix, f"output prefix {prefix!r}")
-        if relative.name in ("", ".") or prefix.endswith(("/", "\\")):
-            raise SettingsError(f"output prefix {prefix!r} has no file name part (e.g. 'portraits/img')")
+        relative = _output_prefix_path(prefix)
         root = self.output_dir.resolve()
         folder = root / relative.parent
         if not folder.resolve().is_relative_to(root):
@@ -122,6 +126,28 @@ class Settings:
         while os.path.lexists(path := folder / f"{stem}_{counter:05d}_{suffix}"):
             counter += 1
         return path
+
+
+def _output_prefix_path(prefix: str) -> PurePosixPath:
+    """`prefix` ('folder/name') as a relative path; SettingsError when it is not one output_path accepts."""
+    if isinstance(prefix, str) and (bad := next(
+            (c for c in prefix if unicodedata.category(c) in CONTROL_CATEGORIES), None)) is not None:
+        raise SettingsError(f"output prefix {prefix!r} contains the control character {bad!r}; expected "
+                            f"printable text such as 'portraits/img'")
+    relative = _safe_relative(prefix, f"output prefix {prefix!r}")
+    if relative.name in ("", ".") or prefix.endswith(("/", "\\")):
+        raise SettingsError(f"output prefix {prefix!r} has no file name part (e.g. 'portraits/img')")
+    return relative
+
+
+def output_prefix_problem(prefix: str) -> str | None:
+    """What is wrong with `prefix` as an output prefix (control characters, empty, absolute, '..', no file
+    name part), or None; checked without touching the output folder (validation runs it)."""
+    try:
+        _output_prefix_path(prefix)
+    except SettingsError as error:
+        return str(error)
+    return None
 
 
 def _walk_files(folder: Path) -> list[Path]:
@@ -157,9 +183,9 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise SettingsError(f"cannot read settings file {path}: {error}") from error
+        data = read_json_file(path, "settings file")
+    except JsonInputError as error:
+        raise SettingsError(str(error)) from None
     if not isinstance(data, dict):
         raise SettingsError(f"settings file {path} must hold a JSON object, got {type(data).__name__}")
     for key in PATH_KEYS:

@@ -7,7 +7,9 @@ SaveImage publishes `image_saved(node_id, path)` and PreviewImage `image_preview
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,49 @@ import torch
 from engine import telemetry
 from engine.graph.spec import NodeType, Output, RunContext, link_input, string_input
 from engine.images import load_image, save_png, workflow_chunks
-from engine.settings import Settings
+from engine.settings import Settings, output_prefix_problem
 from nodes.loaders import current_settings
 
-PREVIEW_DIR = Path(tempfile.gettempdir()) / "sluice" / "previews"
+log = logging.getLogger(__name__)
+_process_preview_dir: Path | None = None  # made by preview_dir when the per-user folder cannot be trusted
+
+
+def _check_private(folder: Path) -> None:
+    """Raise PermissionError unless `folder` is a real folder (no symbolic link) owned by this user that no
+    one else may write or read."""
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode):
+        raise PermissionError(f"{folder} is a symbolic link; expected a folder")
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"{folder} is not a folder")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise PermissionError(f"{folder} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
+    if info.st_mode & 0o077:
+        raise PermissionError(f"{folder} has mode {stat.S_IMODE(info.st_mode):o}; expected 700 (this user "
+                              f"only)")
+
+
+def preview_dir() -> Path:
+    """PreviewImage's folder: `$TMPDIR/sluice-<uid>/previews`, private to this user (mode 700, owned by them,
+    no symbolic link on the way), so another local user can neither redirect previews nor read them. When
+    that path is taken by something else, a fresh private folder of this process (tempfile.mkdtemp) is used
+    instead and a warning logged."""
+    global _process_preview_dir
+    base = Path(tempfile.gettempdir()) / f"sluice-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    try:
+        for folder in (base, base / "previews"):
+            try:
+                os.mkdir(folder, 0o700)
+            except FileExistsError:
+                pass
+            _check_private(folder)
+        return base / "previews"
+    except OSError as error:
+        if _process_preview_dir is None or not _process_preview_dir.is_dir():
+            _process_preview_dir = Path(tempfile.mkdtemp(prefix="sluice-previews-"))
+            log.warning("previews go to %s: the preview folder cannot be trusted (%s)", _process_preview_dir,
+                        error)
+        return _process_preview_dir
 
 
 def input_dir(settings: Settings | None) -> Path:
@@ -84,7 +125,8 @@ class SaveImage(NodeType):
     description = ("Saves images as PNGs named prefix_00001_.png in the output folder (never overwriting), "
                    "with the workflow embedded.")
     output_node = True
-    inputs = (link_input("images", "IMAGE"), string_input("filename_prefix", "Sluice"))
+    inputs = (link_input("images", "IMAGE"),
+              string_input("filename_prefix", "Sluice", check=output_prefix_problem))
     outputs = ()
 
     def run(self, ctx: RunContext, images: torch.Tensor, filename_prefix: str) -> tuple:
@@ -96,13 +138,13 @@ class SaveImage(NodeType):
 class PreviewImage(NodeType):
     display_name = "Preview Image"
     category = "image"
-    description = "Shows images without keeping them: PNGs in a temporary preview folder."
+    description = "Shows images without keeping them: PNGs in a temporary preview folder private to the user."
     output_node = True
     inputs = (link_input("images", "IMAGE"),)
     outputs = ()
 
     def run(self, ctx: RunContext, images: torch.Tensor) -> tuple:
-        settings = dataclasses.replace(current_settings(ctx.settings), output_dir=PREVIEW_DIR)
+        settings = dataclasses.replace(current_settings(ctx.settings), output_dir=preview_dir())
         _save_all(ctx, images, settings, "preview", "image_preview", compress_level=1)
         return ()
 

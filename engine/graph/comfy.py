@@ -37,7 +37,7 @@ import networkx as nx
 
 from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs
 from engine.graph.comfy_widgets import SLUICE_ONLY_WIDGETS, named_ui_values, sluice_api_inputs
-from engine.graph.document import Group, Link, NodeDoc, Workflow, id_sort_key
+from engine.graph.document import MAX_COORDINATE, Group, Link, NodeDoc, Workflow, id_sort_key, is_coordinate
 from engine.graph.errors import WorkflowError
 from engine.graph.spec import ANY, INT, SEED, SEED_CONTROLS, NodeType
 from engine.graph.validate import output_type_of
@@ -226,9 +226,9 @@ def _pair(value: Any, where: str) -> tuple[float, float]:
     """[x, y] or LiteGraph's typed-array form {"0": x, "1": y}."""
     if isinstance(value, dict):
         value = [value.get("0"), value.get("1")]
-    if (not isinstance(value, list) or len(value) < 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value[:2])):
-        raise WorkflowError(f"{where} must be two numbers [a, b] or {{\"0\": a, \"1\": b}}, got {value!r}")
+    if not isinstance(value, list) or len(value) < 2 or not all(is_coordinate(v) for v in value[:2]):
+        raise WorkflowError(f"{where} must be two numbers [a, b] or {{\"0\": a, \"1\": b}} within "
+                            f"\u00b1{MAX_COORDINATE:g}, got {value!r}")
     return float(value[0]), float(value[1])
 
 

@@ -29,8 +29,11 @@ from typing import Any
 
 from engine.graph.errors import WorkflowError
 from engine.graph.spec import ANY
+from engine.jsonfile import MAX_BYTES, JsonInputError, load_json
 
 FORMAT = "sluice-workflow"
+# The largest canvas position or node size read from a file, either sign (Qt maps scene points to int pixels).
+MAX_COORDINATE = 1e9
 VERSION = 2
 MODES = ("normal", "muted", "bypassed")
 
@@ -186,12 +189,12 @@ class Workflow:
         return json.dumps(self.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
     @classmethod
-    def loads(cls, text: str, source: str = "<string>") -> Workflow:
+    def loads(cls, text: str | bytes, source: str = "<string>") -> Workflow:
+        """The workflow in JSON `text` (bytes must be UTF-8), read through engine.jsonfile's limits."""
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise WorkflowError(f"{source}: invalid JSON at line {error.lineno}, column {error.colno}: "
-                                f"{error.msg}") from None
+            data = load_json(text, source)
+        except JsonInputError as error:
+            raise WorkflowError(str(error)) from None
         try:
             return cls.from_dict(data)
         except WorkflowError as error:
@@ -215,10 +218,11 @@ class Workflow:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Workflow:
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as error:
+            with open(path, "rb") as handle:
+                content = handle.read(MAX_BYTES + 1)  # more is refused by load_json
+        except OSError as error:
             raise WorkflowError(f"cannot read workflow {str(path)!r}: {error}") from None
-        return cls.loads(text, source=str(path))
+        return cls.loads(content, source=str(path))
 
 
 # -- migration --
@@ -293,8 +297,9 @@ def _numbers(data: dict[str, Any], key: str, count: int, where: str, default: An
     value = _get(data, key, (list, type(None)) if default is None else list, where, default)
     if value is None or value is default:
         return value
-    if len(value) != count or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        raise WorkflowError(f"{where}: field {key!r} must be a list of {count} numbers, got {value!r}")
+    if len(value) != count or not all(is_coordinate(v) for v in value):
+        raise WorkflowError(f"{where}: field {key!r} must be a list of {count} numbers within "
+                            f"\u00b1{MAX_COORDINATE:g}, got {value!r}")
     return tuple(float(v) for v in value)
 
 
@@ -361,3 +366,9 @@ def _node_to_dict(node: NodeDoc) -> dict[str, Any]:
         "collapsed": node.collapsed,
         "color": node.color,
     }
+
+
+def is_coordinate(value: Any) -> bool:
+    """Whether `value` is a number a canvas position or size may hold: finite, within ±MAX_COORDINATE."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and -MAX_COORDINATE <= value <= MAX_COORDINATE)

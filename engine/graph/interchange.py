@@ -8,7 +8,6 @@ read when there is no usable "workflow" chunk.
 from __future__ import annotations
 
 import io
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from engine.graph.comfy import Lookup, from_comfy_api, from_comfy_ui, is_comfy_api, is_comfy_ui
 from engine.graph.document import FORMAT, Workflow
 from engine.graph.errors import WorkflowError
+from engine.jsonfile import JsonInputError, load_json
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -36,19 +36,15 @@ def load_any(source: str | os.PathLike[str] | bytes, lookup: Lookup) -> tuple[Wo
             raise WorkflowError(f"cannot read workflow {name!r}: {error.strerror or error}") from None
     if content.startswith(PNG_SIGNATURE):
         return from_png(content, lookup, name)
-    try:
-        text = content.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        raise WorkflowError(f"{name}: neither a PNG nor UTF-8 JSON text ({error})") from None
-    return from_json_text(text, lookup, name)
+    return from_json_text(content, lookup, name)
 
 
-def from_json_text(text: str, lookup: Lookup, source: str = "<string>") -> tuple[Workflow, list[str]]:
+def from_json_text(text: str | bytes, lookup: Lookup, source: str = "<string>") -> tuple[Workflow, list[str]]:
+    """The workflow in JSON `text` (bytes must be UTF-8), read through engine.jsonfile's limits."""
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise WorkflowError(f"{source}: invalid JSON at line {error.lineno}, column {error.colno}: "
-                            f"{error.msg}") from None
+        data = load_json(text, source)
+    except JsonInputError as error:
+        raise WorkflowError(str(error)) from None
     try:
         return from_data(data, lookup)
     except WorkflowError as error:

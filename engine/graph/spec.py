@@ -7,6 +7,7 @@ concrete types and keeps the registry. Nothing here imports Qt.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Input:
     choices: Sequence[str] | Callable[[], Sequence[str]] | None = None  # COMBO; callables run at run time
     optional: bool = False  # a link input that may stay unconnected
     description: str = ""
+    check: Callable[[Any], str | None] | None = None  # a further check of a widget value of the right type:
+    # a message saying what is wrong with it and what is accepted, or None (e.g. SaveImage's prefix)
 
     @property
     def is_widget(self) -> bool:
@@ -66,6 +69,8 @@ class Input:
         elif kind == FLOAT:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 return f"{self.name}: expected a number, got {value!r}"
+            if isinstance(value, float) and not math.isfinite(value):
+                return f"{self.name}: {value!r} is not a finite number"
         elif kind == STRING:
             if not isinstance(value, str):
                 return f"{self.name}: expected a string, got {value!r}"
@@ -85,6 +90,9 @@ class Input:
                 return f"{self.name}: {value!r} is below the minimum {low}"
             if high is not None and value > high:
                 return f"{self.name}: {value!r} is above the maximum {high}"
+        if self.check is not None:
+            problem = self.check(value)
+            return None if problem is None else f"{self.name}: {problem}"
         return None
 
 
@@ -98,8 +106,9 @@ def float_input(name: str, default: float, min: float | None = None, max: float 
     return Input(name, FLOAT, float(default), min, max, step, description=description)
 
 
-def string_input(name: str, default: str = "", multiline: bool = False, description: str = "") -> Input:
-    return Input(name, STRING, default, multiline=multiline, description=description)
+def string_input(name: str, default: str = "", multiline: bool = False, description: str = "",
+                 check: Callable[[Any], str | None] | None = None) -> Input:
+    return Input(name, STRING, default, multiline=multiline, description=description, check=check)
 
 
 def bool_input(name: str, default: bool, description: str = "") -> Input:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.jsonfile import JsonInputError, load_json
 from engine.settings import SettingsError, cache_dir
 
 if TYPE_CHECKING:
@@ -82,8 +83,8 @@ class ProfileCache:
             self.warn(path, f"cannot read {path} ({error}); measuring instead")
             return None
         try:
-            entry = json.loads(text)
-        except json.JSONDecodeError as error:
+            entry = load_json(text, "the entry")
+        except JsonInputError as error:
             self.warn(path, f"{path} is not valid JSON ({error}); measuring instead")
             return None
         if not isinstance(entry, dict) or "value" not in entry or entry.get("key") != _as_stored(key):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import collections
 import difflib
 import io
-import json
 import os
 import pickle
 import struct
@@ -21,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from engine.jsonfile import JsonInputError, load_json
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -180,11 +181,15 @@ class SafetensorsReader(CheckpointReader):
         self._handle: Any = None
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
-        if self._handle is None:
-            from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-            self._handle = safe_open(str(self.path), framework="pt")
-        return self._handle.get_tensor(key)
+        try:
+            if self._handle is None:
+                self._handle = safe_open(str(self.path), framework="pt")
+            return self._handle.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read tensor {key!r} of safetensors file {self.path}: "
+                                  f"{exc}") from None
 
     def close(self) -> None:
         self._handle = None
@@ -204,20 +209,42 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
             )
         raw = f.read(header_len)
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = load_json(raw, "header")
+    except JsonInputError as exc:
         raise CheckpointError(f"corrupt safetensors file {path}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"corrupt safetensors file {path}: header is not a JSON object")
     metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
+    spans = []  # (begin, end, key)
     for key, entry in header.items():
-        tensors[key] = _checked_safetensors_entry(path, key, entry, data_size)
+        tensors[key], begin, end = _checked_safetensors_entry(path, key, entry, data_size)
+        spans.append((begin, end, key))
+    _check_safetensors_tiling(path, sorted(spans), data_size)
     return tensors, metadata
 
 
-def _checked_safetensors_entry(path: Path, key: str, entry: Any, data_size: int) -> TensorInfo:
+def _check_safetensors_tiling(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """The tensors, in order of their offsets, must cover the data region exactly, without overlap or gap
+    (what the safetensors library checks when it opens the file, there without the file's name)."""
+    previous_end, previous_key = 0, None
+    for begin, end, key in spans:
+        if begin != previous_end:
+            before = ("the data begins at byte 0" if previous_key is None
+                      else f"the tensor before it ({previous_key!r}) ends at byte {previous_end}")
+            raise CheckpointError(f"corrupt safetensors file {path}: tensor {key!r} starts at byte {begin} "
+                                  f"of the data region, but {before}; the tensors must cover it in order, "
+                                  f"without overlap or gap")
+        previous_end, previous_key = end, key
+    if previous_end != data_size:
+        raise CheckpointError(f"corrupt safetensors file {path}: the tensors end at byte {previous_end} of "
+                              f"the data region, but it holds {data_size} bytes")
+
+
+def _checked_safetensors_entry(path: Path, key: str, entry: Any,
+                               data_size: int) -> tuple[TensorInfo, int, int]:
+    """The tensor's info and its data offsets [begin, end)."""
     try:
         type_name, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
     except (TypeError, KeyError, ValueError):
@@ -243,7 +270,7 @@ def _checked_safetensors_entry(path: Path, key: str, entry: Any, data_size: int)
             f"truncated safetensors file {path}: tensor '{key}' ends at byte {end} of the data region, "
             f"which holds only {data_size} bytes"
         )
-    return TensorInfo(shape, type_name, dtype, nbytes)
+    return TensorInfo(shape, type_name, dtype, nbytes), begin, end
 
 
 # ---------------------------------------------------------------- torch zip pickles

@@ -20,7 +20,6 @@ in the file gives alpha, alpha = rank (scale 1) is assumed and logged: reading a
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.jsonfile import JsonInputError, load_json
 from engine.models.formats import open_checkpoint
 
 log = logging.getLogger(__name__)
@@ -256,8 +256,8 @@ def _peft_configs(metadata: Mapping[str, str]) -> dict[str, dict[str, Any]]:
         if not raw:
             continue
         try:
-            config = json.loads(raw)
-        except json.JSONDecodeError as error:
+            config = load_json(raw, "the value")
+        except JsonInputError as error:
             raise LoraFormatError(f"LoRA metadata {meta_key!r} is not valid JSON: {error}") from None
         if not isinstance(config, dict):
             raise LoraFormatError(f"LoRA metadata {meta_key!r} is not a JSON object: {raw[:80]!r}")

@@ -3,6 +3,7 @@ of JSON and PNG workflows, autosave with crash recovery, layout restore, the def
 
 import json
 
+import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
@@ -152,3 +153,27 @@ def test_the_default_workflow_opens_as_an_unsaved_untitled_document(make_window,
     window = make_window()
     assert window.scene.workflow.to_dict() == default.to_dict()
     assert window.file_path is None and window.windowTitle() == "Untitled — Sluice"
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("a non-UTF-8 byte", b'{"file": null, "workflow": {"format": "sluice-workflow", "meta": "\xff"}}',
+     "not UTF-8"),
+    ("deep nesting", b'{"workflow": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested deeper"),
+    ("a huge integer position", b'{"file": null, "workflow": {"format": "sluice-workflow", "version": 2, '
+     b'"nodes": [{"id": "1", "type": "GuiNumber", "pos": [1' + b"0" * 400 + b', 0]}], "links": []}}',
+     "integer of 401 digits"),
+    ("a position past the canvas", b'{"file": null, "workflow": {"format": "sluice-workflow", "version": 2, '
+     b'"nodes": [{"id": "1", "type": "GuiNumber", "pos": [1e300, 0]}], "links": []}}', "field 'pos'"),
+])
+def test_a_bad_recovery_file_is_reported_and_set_aside_and_the_window_starts(make_window, app_data, caplog,
+                                                                            name, content, expected):
+    app_data.mkdir(parents=True, exist_ok=True)
+    recovery = app_data / "recovery.json"
+    recovery.write_bytes(content)
+    window = make_window(auto_restore=True)
+    assert window.scene.workflow.nodes == {}  # the default workflow (none in these tests), not a crash
+    message = window.status_label.text()
+    assert "recovery file" in message and expected in message and "recovery.json.bad" in message
+    assert expected in caplog.text
+    assert not recovery.exists() and (app_data / "recovery.json.bad").read_bytes() == content
+    assert not window.recovery.should_offer()

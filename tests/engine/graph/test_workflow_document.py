@@ -13,7 +13,7 @@ def complex_workflow() -> Workflow:
     widgets = {"seed": 2**64 - 1, "steps": 30, "sampler": "heun", "denoise_all": False,
                "cfg": 0.1 + 0.2, "tiny": 5e-324, "nested": {"list": [1, 2.5, None, "x"]}}
     sampler = wf.add_node("Sampler", widgets,
-                          pos=(400.0, 1e300), title="Sämpler \"quoted\"\n", size=(320.5, 180.0),
+                          pos=(400.0, -123456789.125), title="Sämpler \"quoted\"\n", size=(320.5, 180.0),
                           collapsed=True, color="#ff00aa")
     sampler.seed_controls["seed"] = "randomize"
     muted = wf.add_node("Sink", mode="muted")

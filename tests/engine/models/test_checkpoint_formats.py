@@ -317,3 +317,41 @@ def test_safetensors_header_length_starting_with_the_pickle_byte_is_still_safete
     path.write_bytes(struct.pack("<Q", len(header)) + header + struct.pack("<2f", 1.5, -2.0))
     with open_checkpoint(path) as reader:
         assert reader.get("w").tolist() == [1.5, -2.0]
+
+
+@pytest.mark.parametrize("offsets, data_size, message", [
+    ([[0, 8], [4, 12]], 12, r"tensor 'b' starts at byte 4 of the data region, but the tensor before it "
+                            r"\('a'\) ends at byte 8"),
+    ([[0, 8], [12, 20]], 20, r"tensor 'b' starts at byte 12 of the data region, but the tensor before it "
+                             r"\('a'\) ends at byte 8"),
+    ([[4, 12], [12, 20]], 20, r"tensor 'a' starts at byte 4 of the data region, but the data begins at "
+                              r"byte 0"),
+    ([[0, 8], [8, 16]], 20, r"the tensors end at byte 16 of the data region, but it holds 20 bytes"),
+])
+def test_safetensors_offsets_that_overlap_or_leave_gaps_are_an_error_naming_the_file(tmp_path, offsets,
+                                                                                    data_size, message):
+    path = tmp_path / "gappy.safetensors"
+    header = {name: {"dtype": "F32", "shape": [2], "data_offsets": span}
+              for name, span in zip("ab", offsets, strict=True)}
+    _write_raw_safetensors(path, header, bytes(data_size))
+    with pytest.raises(CheckpointError, match=r"gappy\.safetensors: " + message):
+        with open_checkpoint(path) as reader:
+            reader.get("a")
+
+
+def test_safetensors_header_nested_too_deep_is_a_clear_error(tmp_path):
+    path = tmp_path / "deep.safetensors"
+    raw = b'{"__metadata__": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    expected = r"deep\.safetensors: header is not valid JSON \(.*nested deeper"
+    with pytest.raises(CheckpointError, match=expected):
+        open_checkpoint(path)
+
+
+def test_safetensors_file_changed_after_opening_is_an_error_naming_the_file(tmp_path):
+    path = tmp_path / "shrunk.safetensors"
+    _write_raw_safetensors(path, {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(16))
+    with open_checkpoint(path) as reader:
+        path.write_bytes(path.read_bytes()[:-4])  # truncated by another program after the header was read
+        with pytest.raises(CheckpointError, match=r"cannot read tensor 'w' of safetensors file .*shrunk\."):
+            reader.get("w")

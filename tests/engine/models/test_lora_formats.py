@@ -307,11 +307,13 @@ def test_a_file_without_adapter_layers_is_rejected_naming_its_tensors(tmp_path):
         read_lora(path)
 
 
-def test_bad_adapter_metadata_is_a_clear_error():
-    with pytest.raises(LoraFormatError, match="lora_adapter_metadata.*not valid JSON"):
+@pytest.mark.parametrize("raw, reason", [("{nope", "invalid JSON"), ("[" * 5000, "nested deeper"),
+                                         ('{"r": NaN}', "non-finite")])
+def test_bad_adapter_metadata_is_a_clear_error(raw, reason):
+    with pytest.raises(LoraFormatError, match="lora_adapter_metadata.*not valid JSON.*" + reason):
         parse_lora(
             {"a.lora_A.weight": torch.ones(1, 2), "a.lora_B.weight": torch.ones(2, 1)},
-            {"lora_adapter_metadata": "{nope"},
+            {"lora_adapter_metadata": raw},
         )
 
 
