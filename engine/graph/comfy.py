@@ -35,7 +35,7 @@ from typing import Any
 
 import networkx as nx
 
-from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs
+from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs, list_field
 from engine.graph.comfy_widgets import SLUICE_ONLY_WIDGETS, named_ui_values, sluice_api_inputs
 from engine.graph.document import MAX_COORDINATE, Group, Link, NodeDoc, Workflow, id_sort_key, is_coordinate
 from engine.graph.errors import WorkflowError
@@ -96,7 +96,7 @@ def from_comfy_ui(data: Any, lookup: Lookup) -> tuple[Workflow, list[str]]:
         raw_nodes, raw_links, raw_groups, pushed = flat.nodes, flat.links, flat.groups, flat.pushed
     else:
         raw_nodes, raw_links = data["nodes"], data.get("links") or []
-        raw_groups, pushed, flat = _list_field(data, "groups", "workflow"), {}, None
+        raw_groups, pushed, flat = list_field(data, "groups", "workflow"), {}, None
     nodes: dict[str, _UiNode] = {}
     for index, raw in enumerate(raw_nodes):
         node = _ui_node(raw, f"nodes[{index}]")
@@ -194,7 +194,7 @@ def _ui_node(raw: Any, where: str) -> _UiNode:
     title = raw.get("title", "")
     color = raw.get("color", raw.get("bgcolor"))
     inputs = []
-    for index, slot in enumerate(_list_field(raw, "inputs", where)):
+    for index, slot in enumerate(list_field(raw, "inputs", where)):
         if not isinstance(slot, dict):
             raise WorkflowError(f"{where}: inputs[{index}] must be an object, got {slot!r}")
         widget = slot.get("widget")
@@ -231,14 +231,6 @@ def _pair(value: Any, where: str) -> tuple[float, float]:
                             f"\u00b1{MAX_COORDINATE:g}, got {value!r}")
     return float(value[0]), float(value[1])
 
-
-def _list_field(data: dict[str, Any], key: str, where: str) -> list[Any]:
-    value = data.get(key)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise WorkflowError(f"{where}: field {key!r} must be a list, got {value!r}")
-    return value
 
 
 def _ui_link(raw: Any, where: str, nodes: dict[str, _UiNode], warnings: list[str]) -> Link | None:

@@ -114,9 +114,9 @@ class _Flattener:
         self.warnings = warnings
         self.definitions: dict[str, _Subgraph] = {}
         self._read_definitions(data.get("definitions"), "definitions")
-        self.top = _Scope("", _nodes_by_id(_list(data, "nodes", "workflow"), "workflow"),
-                          _links_by_id(_list(data, "links", "workflow"), "workflow"), MODE_NORMAL)
-        self.groups = list(_list(data, "groups", "workflow"))
+        self.top = _Scope("", _nodes_by_id(list_field(data, "nodes", "workflow"), "workflow"),
+                          _links_by_id(list_field(data, "links", "workflow"), "workflow"), MODE_NORMAL)
+        self.groups = list(list_field(data, "groups", "workflow"))
         self.pushed: PushedValues = {}
         self.instances: dict[str, str] = {}
         self.undefined: set[str] = set()
@@ -191,7 +191,7 @@ class _Flattener:
         mode = _combined_mode(parent.mode, instance.get("mode", MODE_NORMAL))
         child = _Scope(f"{parent.prefix}{node_id}:", _nodes_by_id(subgraph.nodes, subgraph.label()),
                        subgraph.links, mode, subgraph, parent, node_id)
-        for index, slot in enumerate(_list(instance, "inputs", where)):
+        for index, slot in enumerate(list_field(instance, "inputs", where)):
             if not isinstance(slot, dict) or slot.get("link") is None:
                 continue
             name = slot.get("name")
@@ -383,16 +383,17 @@ def _subgraph(raw: Any, where: str) -> _Subgraph:
     slots = {}
     for key in ("inputs", "outputs"):
         slots[key] = []
-        for index, slot in enumerate(_list(raw, key, label)):
+        for index, slot in enumerate(list_field(raw, key, label)):
             if not isinstance(slot, dict) or not isinstance(slot.get("name"), str):
                 raise WorkflowError(f"{label}: {key}[{index}] must be an object with a 'name', got {slot!r}")
             slots[key].append(slot["name"])
     return _Subgraph(subgraph_id, name if isinstance(name, str) and name else subgraph_id,
-                     _list(raw, "nodes", label), _links_by_id(_list(raw, "links", label), label),
-                     slots["inputs"], slots["outputs"], _list(raw, "groups", label))
+                     list_field(raw, "nodes", label), _links_by_id(list_field(raw, "links", label), label),
+                     slots["inputs"], slots["outputs"], list_field(raw, "groups", label))
 
 
-def _list(data: dict[str, Any], key: str, where: str) -> list[Any]:
+def list_field(data: dict[str, Any], key: str, where: str) -> list[Any]:
+    """data[key] as a list ([] when absent); anything else is a WorkflowError naming `where`."""
     value = data.get(key)
     if value is None:
         return []

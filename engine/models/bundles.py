@@ -115,13 +115,17 @@ class DiffusionModel:
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
         """
+        return self.run_network(x, timesteps, context, y)
+
+    def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+        """The network's output for (x, *inputs), moved to its device, through the memory runtime when that
+        holds the weights; returned on x's device and in x's dtype."""
         device = self.torch_device
-        inputs = (x.to(device), timesteps.to(device), context.to(device), None if y is None else y.to(device))
+        on_device = [t if t is None else t.to(device) for t in (x, *inputs)]
         if _managed(self.memory, self.unet):
-            state = self.memory.run(0, self.unet, self.unet.stages(), self.unet.initial_state(*inputs))
-            out = state["h"]
+            out = self.memory.run(0, self.unet, self.unet.stages(), self.unet.initial_state(*on_device))["h"]
         else:
-            out = self.unet(*inputs)
+            out = self.unet(*on_device)
         return out.to(device=x.device, dtype=x.dtype)
 
     def denoiser(self) -> Denoiser:

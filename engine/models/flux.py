@@ -408,15 +408,6 @@ class FluxTransformer(StagedModel):
         return {"x": x, "timesteps": timesteps, "context": context, "y": y,
                 "guidance": guidance if c.guidance_embed else None}
 
-    def stages(self) -> list[Stage]:
-        """The stage list, built once per model object (the cache is keyed by the object's id, so a
-        structural copy builds its own)."""
-        cached = self.__dict__.get("_stage_cache")
-        if cached is None or cached[0] != id(self):
-            cached = (id(self), self._build_stages())
-            self.__dict__["_stage_cache"] = cached
-        return list(cached[1])
-
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor, y: torch.Tensor,
                 guidance: torch.Tensor | None = None) -> torch.Tensor:
         """The velocity (B, 16, h, w) in x's dtype."""

@@ -25,7 +25,6 @@ from engine.models.bundles import (
     EmbeddingLookup,
     TextEncoder,
     _lookup_for,
-    _managed,
     _tokenizer_for,
 )
 from engine.models.clip import CLIPTextModel
@@ -65,15 +64,7 @@ class FluxDiffusionModel(DiffusionModel):
         if y is None:
             raise ValueError("a FLUX model needs the pooled CLIP-L feature; encode the prompt with FLUX's "
                              "text encoder (DualCLIPLoader type flux)")
-        device = self.torch_device
-        guidance = guidance if self.has_guidance else None
-        inputs = [t if t is None else t.to(device) for t in (x, timesteps, context, y, guidance)]
-        if _managed(self.memory, self.unet):
-            state = self.memory.run(0, self.unet, self.unet.stages(), self.unet.initial_state(*inputs))
-            out = state["h"]
-        else:
-            out = self.unet(*inputs)
-        return out.to(device=x.device, dtype=x.dtype)
+        return self.run_network(x, timesteps, context, y, guidance if self.has_guidance else None)
 
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
                               ) -> guidance.Conditioning:

@@ -59,6 +59,15 @@ class StagedModel(nn.Module):
     """
 
     def stages(self) -> list[Stage]:
+        """The stage list of `_build_stages`, built once per model object (a structural copy, e.g. a
+        LoRA-patched clone, builds its own: the cache is keyed by the object's id)."""
+        cached = self.__dict__.get("_stage_cache")
+        if cached is None or cached[0] != id(self):
+            cached = (id(self), self._build_stages())
+            self.__dict__["_stage_cache"] = cached
+        return list(cached[1])
+
+    def _build_stages(self) -> list[Stage]:
         raise NotImplementedError
 
     def forget_stages(self) -> None:

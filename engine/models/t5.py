@@ -297,14 +297,6 @@ class T5Encoder(StagedModel):
                                            for index in range(config.num_layers))
         self.encoder.final_layer_norm = T5LayerNorm(config.d_model, config.layer_norm_epsilon, dtype, device)
 
-    def stages(self) -> list[Stage]:
-        """The stage list, built once per model object (a structural copy builds its own: keyed by id)."""
-        cached = self.__dict__.get("_stage_cache")
-        if cached is None or cached[0] != id(self):
-            cached = (id(self), self._build_stages())
-            self.__dict__["_stage_cache"] = cached
-        return list(cached[1])
-
     def _build_stages(self) -> list[Stage]:
         stages = [Stage("embed", (self.shared,), self._embed)]
         for index, block in enumerate(self.encoder.block):

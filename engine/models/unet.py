@@ -378,15 +378,6 @@ class UNetModel(StagedModel):
         return {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
                 "hs": []}
 
-    def stages(self) -> list[Stage]:
-        """The stage list, built once per model object (a structural copy, e.g. a LoRA-patched clone,
-        builds its own: the cache is keyed by the object's id)."""
-        cached = self.__dict__.get("_stage_cache")
-        if cached is None or cached[0] != id(self):
-            cached = (id(self), self._build_stages())
-            self.__dict__["_stage_cache"] = cached
-        return list(cached[1])
-
     def _build_stages(self) -> list[Stage]:
         embedders = (self.time_embed,) if self.label_emb is None else (self.time_embed, self.label_emb)
         stages = [Stage("embed", embedders, self._embed)]
