@@ -112,20 +112,6 @@ def time_step(device: torch.device, step: Callable[[], object]) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
-def graphed(device: torch.device, call: Callable[[], object]) -> Callable[[], None]:
-    """`call` captured as one CUDA graph after a warm-up call on a side stream; returns the replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
-
-
 def measure(device: torch.device, step: Callable[[], object], warmup: int, steps: int, peak_over: int = 0
             ) -> tuple[float, float, float]:
     """(median step ms, peak GiB of live tensors, peak GiB reserved by the allocator) after `warmup` steps.

@@ -39,7 +39,7 @@ POLLED_SEGMENT_GAP = 2e-6
 # branch do it: polled flags give 55 (bench/results/plan_replay_relays_cuda_20261130_s14.log)
 GRAPH_COPY_SHARE = 0.91
 PROBE = "pinned_copy_rate"  # the profile cache's name for copy_bandwidth's measurement
-PROBE_BYTES = 16 * 1024**2  # within 1% of a 256 MiB copy's rate on the H200 (bench/copy_rate.py)
+PROBE_BYTES = 16 * 1024**2  # within 1% of a 256 MiB copy's rate on the H200 (copy_rate_cuda_20261130_s12.log)
 _BANDWIDTH: dict[int, float] = {}  # CUDA device index -> pinned host-to-device bytes per second
 
 
