@@ -29,9 +29,9 @@ from engine.graph.spec import (
 )
 from engine.models.bundles import DiffusionModel, require
 from engine.sampling import schedulers
-from engine.sampling.guidance import CFGDenoiser
-from engine.sampling.noise import EmptyNoise, SeededNoise
-from engine.sampling.registry import SamplerChoice
+from engine.sampling.guidance import CFGDenoiser, Conditioning
+from engine.sampling.noise import EmptyNoise, SeededNoise, prepare_noise
+from engine.sampling.registry import SamplerChoice, uses_random_inpaint_noise
 from engine.sampling.sample import ksampler_sigmas, sample_sigmas
 from nodes.sampling import (
     MAX_STEPS,
@@ -40,7 +40,9 @@ from nodes.sampling import (
     latent_output,
     model_samples,
     model_space,
+    noise_mask_of,
     step_reporter,
+    with_inpaint_channels,
 )
 
 SIGMA_LIMIT = 5000.0
@@ -61,13 +63,19 @@ class Guider:
     negative: list | None
     cfg: float
 
-    def denoiser(self, width: int, height: int,
+    def denoiser(self, latent: torch.Tensor, noise_mask: torch.Tensor | None = None,
                  check_interrupt: Callable[[], None] | None = None) -> CFGDenoiser:
-        """The guided denoiser (x, sigma) -> x0 for a width x height pixel image."""
-        cond = self.model.guidance_conditioning(self.positive, width, height)
-        uncond = (None if self.negative is None
-                  else self.model.guidance_conditioning(self.negative, width, height))
-        return CFGDenoiser(self.model.denoiser(), cond, uncond, self.cfg, check_interrupt=check_interrupt)
+        """The guided denoiser (x, sigma) -> x0 for the model-space `latent` (B, C, h, w) with its noise mask
+        (the image is 8h x 8w pixels)."""
+        height, width = latent.shape[2] * 8, latent.shape[3] * 8
+
+        def side(conditioning: list) -> Conditioning:
+            cond = self.model.guidance_conditioning(conditioning, width, height)
+            return with_inpaint_channels(self.model, conditioning, cond, latent, noise_mask)
+
+        uncond = None if self.negative is None else side(self.negative)
+        return CFGDenoiser(self.model.denoiser(), side(self.positive), uncond, self.cfg,
+                           check_interrupt=check_interrupt)
 
 
 def require_link(value: Any, kind: str, expected: type | tuple[type, ...], made_by: str) -> Any:
@@ -99,8 +107,8 @@ def run_custom_sampler(ctx: RunContext, noise: Any, guider: Any, sampler: Any, s
     if len(sigmas) == 0:  # nothing to do: ComfyUI hands the latent back
         out = {**latent_image, "samples": samples}
         return out, out
-    height, width = samples.shape[2] * 8, samples.shape[3] * 8
-    guided = guider.denoiser(width, height, ctx.check_interrupt)
+    latent, noise_mask = model_space(model, samples), noise_mask_of(latent_image)
+    guided = guider.denoiser(latent, noise_mask, ctx.check_interrupt)
     report = step_reporter(ctx, model)
     last: dict[str, torch.Tensor] = {}
 
@@ -108,8 +116,12 @@ def run_custom_sampler(ctx: RunContext, noise: Any, guider: Any, sampler: Any, s
         last["denoised"] = info["denoised"]
         report(info)
 
-    result = sample_sigmas(guided, model_space(model, samples), noise.generate(samples), sigmas.float(),
-                           sampler.function, noise.seed, callback=on_step)
+    noise_values = noise.generate(samples)
+    inpaint_noise = None
+    if noise_mask is not None and uses_random_inpaint_noise(sampler.name):
+        inpaint_noise = prepare_noise(samples, noise.seed + 1)
+    result = sample_sigmas(guided, latent, noise_values, sigmas.float(), sampler.function, noise.seed,
+                           callback=on_step, denoise_mask=noise_mask, inpaint_noise=inpaint_noise)
     out = latent_output(model, latent_image, result)
     denoised = latent_output(model, latent_image, last["denoised"]) if last else out
     return out, denoised

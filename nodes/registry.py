@@ -26,6 +26,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.latent_ops",
     "nodes.sampling",
     "nodes.custom_sampling",
+    "nodes.inpaint",
     "nodes.image",
     "nodes.image_ops",
     "nodes.masks",

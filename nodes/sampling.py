@@ -4,10 +4,15 @@ Both are thin wrappers over engine/sampling/sample.py: the latent is scaled into
 with classifier-free guidance, and scaled back to the raw LATENT space. Progress is reported every step, and
 a preview as the workflow's settings["preview"] asks (engine/previews.py: TAESD or latent-to-RGB). The
 helpers for those parts are shared with the custom-sampling nodes (nodes/custom_sampling.py).
+
+Inpainting as ComfyUI: the LATENT's "noise_mask" keeps the latent where it is 0 (engine/sampling/inpaint.py),
+and an inpainting UNet (9 input channels) gets the mask and the masked image's latent as extra channels, from
+InpaintModelConditioning's conditioning or else from the noise mask and the latent itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +29,10 @@ from engine.graph.spec import (
     seed_input,
 )
 from engine.models.bundles import DiffusionModel, require
+from engine.models.unet import UNetModel
 from engine.previews import make_previewer
+from engine.sampling.guidance import Conditioning
+from engine.sampling.inpaint import INPAINT_CONCAT_CHANNELS, inpaint_concat, latent_noise_mask
 from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS
 from engine.sampling.sample import sample
 from engine.sampling.schedulers import SCHEDULERS
@@ -55,6 +63,39 @@ def model_space(model: DiffusionModel, samples: torch.Tensor) -> torch.Tensor:
     return model.process_in(samples) if bool(samples.any()) else samples
 
 
+def noise_mask_of(latent_image: Any) -> torch.Tensor | None:
+    """The LATENT's noise mask (B, 1, H, W) at any size, or None."""
+    mask = latent_image.get("noise_mask")
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise ValueError(f"the LATENT's noise_mask must be a tensor; got {type(mask).__name__}")
+    return mask
+
+
+def with_inpaint_channels(model: DiffusionModel, conditioning: Any, cond: Conditioning, latent: torch.Tensor,
+                          noise_mask: torch.Tensor | None) -> Conditioning:
+    """`cond` with the extra input channels of an inpainting UNet (ComfyUI's concat_cond): the conditioning's
+    concat_mask and concat_latent_image (InpaintModelConditioning) where it has them, else the noise mask and
+    the model-space `latent` being sampled. Other models: `cond` as it is."""
+    if not isinstance(model.unet, UNetModel):
+        return cond
+    extra = model.unet.config.in_channels - model.latent_channels
+    if extra == 0:
+        return cond
+    if extra != INPAINT_CONCAT_CHANNELS:
+        raise ValueError(f"this {model.family} UNet takes {model.unet.config.in_channels} input channels; "
+                         f"accepted: {model.latent_channels} (a plain model) or "
+                         f"{model.latent_channels + INPAINT_CONCAT_CHANNELS} (an inpainting model)")
+    extras = conditioning[0][1]
+    concat_latent, concat_mask = extras.get("concat_latent_image"), extras.get("concat_mask")
+    if concat_latent is not None:
+        concat_latent = model.process_in(concat_latent.to(latent.device, latent.dtype))
+    if concat_mask is not None:
+        concat_mask = concat_mask.to(latent.device)
+    mask = None if noise_mask is None else latent_noise_mask(noise_mask, latent.shape).to(latent.device)
+    return dataclasses.replace(cond, concat=inpaint_concat(latent.shape, latent, mask, concat_latent,
+                                                           concat_mask))
+
+
 def step_reporter(ctx: RunContext, model: DiffusionModel) -> Callable[[dict], None]:
     """The per-step callback of a sampler node: progress every step, a preview as the settings ask."""
     previewer = make_previewer(getattr(ctx.workflow, "settings", None), model.latent_format, ctx.settings)
@@ -80,14 +121,15 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
     """One KSampler(Advanced) run on ComfyUI types; returns the LATENT dict."""
     model = require(model, "MODEL", DiffusionModel)
     samples = model_samples(model, latent_image)
+    latent, noise_mask = model_space(model, samples), noise_mask_of(latent_image)
     height, width = samples.shape[2] * 8, samples.shape[3] * 8
-    cond = model.guidance_conditioning(positive, width, height)
-    uncond = model.guidance_conditioning(negative, width, height)
-    result = sample(model.denoiser(), model_space(model, samples), cond, uncond, cfg, sampler_name, scheduler,
+    cond, uncond = (with_inpaint_channels(model, c, model.guidance_conditioning(c, width, height), latent,
+                                          noise_mask) for c in (positive, negative))
+    result = sample(model.denoiser(), latent, cond, uncond, cfg, sampler_name, scheduler,
                     steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
                     end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
                     callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
-                    family=model.latent_format)
+                    family=model.latent_format, denoise_mask=noise_mask)
     return latent_output(model, latent_image, result)
 
 

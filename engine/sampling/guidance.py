@@ -8,6 +8,9 @@ mechanism: a sampler sets `model.keep_uncond = True` before its loop; the CFG de
 the negative pass (even at cfg == 1) and stores it in `model.last_uncond_denoised` after every call. A
 denoiser without guidance has no such attribute; for it the unconditional prediction is the prediction.
 
+Inpainting UNets (9 input channels) take a `concat` per conditioning side (mask and masked-image latent,
+ComfyUI's c_concat), batched like y.
+
 Guidance-distilled models (FLUX dev) take the guidance strength as an input instead: a `Conditioning` may
 carry `guidance`, which the model call receives as a (B,) tensor `guidance=` (cond rows then uncond rows, like
 y). The model bundle fills its own default (FLUX: 3.5, as ComfyUI); where only one side carries a value, the
@@ -23,12 +26,14 @@ import torch
 
 @dataclass
 class Conditioning:
-    """Text conditioning: cross-attention context (B, T, C), the optional SDXL ADM vector y (B, D) and the
-    optional guidance strength of guidance-distilled models (FLUX)."""
+    """Text conditioning: cross-attention context (B, T, C), the optional SDXL ADM vector y (B, D), the
+    optional guidance strength of guidance-distilled models (FLUX) and the optional extra input channels of
+    inpainting models."""
 
     context: torch.Tensor
     y: torch.Tensor | None = None
     guidance: float | None = None  # FluxGuidance's value; None: the model takes no guidance input
+    concat: torch.Tensor | None = None  # (B, C', h, w) channels after the latent's (inpainting UNets)
 
     def __post_init__(self) -> None:
         if self.context.ndim != 3:
@@ -36,6 +41,9 @@ class Conditioning:
                              f"{tuple(self.context.shape)}")
         if self.y is not None and self.y.ndim != 2:
             raise ValueError(f"conditioning y must be (batch, features); got shape {tuple(self.y.shape)}")
+        if self.concat is not None and self.concat.ndim != 4:
+            raise ValueError(f"conditioning concat must be (batch, channels, height, width); got shape "
+                             f"{tuple(self.concat.shape)}")
 
 
 def repeat_to_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
@@ -69,6 +77,18 @@ def guidance_rows(values: list[float | None], batch: int, device: torch.device) 
     return {"guidance": torch.cat(rows)}  # (sides * B,)
 
 
+def concat_rows(sides: list[Conditioning], batch: int) -> dict[str, torch.Tensor]:
+    """`{"concat": (len(sides) * batch, C', h, w)}` for the model call (cond rows, then uncond); {} when no
+    side has one. Sides must all have one or none."""
+    concats = [side.concat for side in sides]
+    if all(c is None for c in concats):
+        return {}
+    if any(c is None for c in concats):
+        raise ValueError("positive and negative conditioning must both carry the inpainting model's extra "
+                         "channels (concat) or neither")
+    return {"concat": torch.cat([repeat_to_batch(c, batch) for c in concats])}
+
+
 def cfg_mix(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
     """uncond + cfg * (cond - uncond)."""
     return uncond + (cond - uncond) * cfg_scale
@@ -96,7 +116,8 @@ class CFGDenoiser:
         if not run_uncond:
             cond = self.model(x, sigma, context=repeat_to_batch(self.cond.context, batch),
                               y=None if self.cond.y is None else repeat_to_batch(self.cond.y, batch),
-                              **guidance_rows([self.cond.guidance], batch, x.device), **extra_args)
+                              **guidance_rows([self.cond.guidance], batch, x.device),
+                              **concat_rows([self.cond], batch), **extra_args)
             self.last_uncond_denoised = cond
             return cond
         contexts = match_token_lengths([repeat_to_batch(c.context, batch) for c in (self.cond, self.uncond)])
@@ -105,8 +126,9 @@ class CFGDenoiser:
             raise ValueError("positive and negative conditioning must both have a y (SDXL) vector or neither")
         y = None if ys[0] is None else torch.cat([repeat_to_batch(v, batch) for v in ys])  # (2B, D)
         guidance = guidance_rows([self.cond.guidance, self.uncond.guidance], batch, x.device)
+        concat = concat_rows([self.cond, self.uncond], batch)
         out = self.model(torch.cat([x, x]), torch.cat([sigma, sigma]), context=torch.cat(contexts), y=y,
-                         **guidance, **extra_args)  # (2B, ...)
+                         **guidance, **concat, **extra_args)  # (2B, ...)
         cond, uncond = out[:batch], out[batch:]
         self.last_uncond_denoised = uncond
         return cfg_mix(cond, uncond, self.cfg_scale)

@@ -66,6 +66,15 @@ class DiscreteSchedule:
         """The timestep the network is conditioned on for this sigma."""
         return self.sigma_to_t(sigma, quantize=self.quantize)
 
+    def percent_to_sigma(self, percent: float) -> float:
+        """Sigma at a fraction of the way through sampling, as ComfyUI's ModelSamplingDiscrete: the table's
+        sigma at timestep (1 - percent) * 999 (the last timestep); 999999999.9 at 0, 0.0 at 1."""
+        if percent <= 0.0:
+            return 999999999.9
+        if percent >= 1.0:
+            return 0.0
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * (len(self.sigmas) - 1))))
+
 
 def _expand(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Reshape a per-batch (or scalar) sigma to broadcast over x: (B,) -> (B, 1, 1, 1)."""
@@ -233,7 +242,8 @@ class Denoiser:
     """Wraps `unet_fn(x_in, timesteps, context, y=None)` into a k-diffusion denoiser `(x, sigma) -> x0`.
 
     `guidance` (B,), the strength a guidance-distilled model (FLUX) is conditioned on, reaches `unet_fn` as
-    `guidance=` only when given, so networks without that input need not accept it.
+    `guidance=` only when given, so networks without that input need not accept it. `concat` (B, C', H, W),
+    the extra input channels of inpainting UNets (ComfyUI's c_concat), follows the scaled input x.
     """
 
     unet_fn: UnetFn
@@ -241,9 +251,11 @@ class Denoiser:
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
-                 **extra: object) -> torch.Tensor:
+                 concat: torch.Tensor | None = None, **extra: object) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # (B,)
         x_in = self.model_sampling.calculate_input(sigma, x)
+        if concat is not None:
+            x_in = torch.cat([x_in, concat.to(x_in)], dim=1)  # (B, C + C', H, W)
         timesteps = self.model_sampling.timestep(sigma.cpu()).to(x.device)
         options = {} if guidance is None else {"guidance": guidance}
         model_output = self.unet_fn(x_in, timesteps, context, y=y, **options)

@@ -14,7 +14,9 @@ import torch
 from . import samplers as single
 from . import samplers_dpm_solver as dpm_solver
 from . import samplers_multistep as multi
+from . import samplers_sa_solver as sa
 from . import samplers_sde as sde
+from . import samplers_unipc as unipc
 from .noise import NoiseSampler, brownian_tree_noise_sampler, default_noise_sampler
 
 Sampler = Callable[..., object]  # sample_x(model, x, sigmas, extra_args, callback, disable, **knobs)
@@ -53,11 +55,23 @@ SAMPLERS: dict[str, Sampler] = {
     "lms": multi.sample_lms,
     "ddpm": single.sample_ddpm,
     "deis": multi.sample_deis,
-    "uni_pc": multi.sample_uni_pc,
-    "uni_pc_bh2": multi.sample_uni_pc_bh2,
+    "uni_pc": unipc.sample_uni_pc,
+    "uni_pc_bh2": unipc.sample_uni_pc_bh2,
     "res_multistep_ancestral": multi.sample_res_multistep_ancestral,
     "dpm_fast": dpm_solver.sample_dpm_fast,
     "dpm_adaptive": dpm_solver.sample_dpm_adaptive,
+    "ddim": single.sample_euler,
+    "dpmpp_2s_ancestral_cfg_pp": single.sample_dpmpp_2s_ancestral_cfg_pp,
+    "dpmpp_2m_cfg_pp": multi.sample_dpmpp_2m_cfg_pp,
+    "res_multistep_cfg_pp": multi.sample_res_multistep_cfg_pp,
+    "res_multistep_ancestral_cfg_pp": multi.sample_res_multistep_ancestral_cfg_pp,
+    "gradient_estimation_cfg_pp": single.sample_gradient_estimation_cfg_pp,
+    "seeds_2": sde.sample_seeds_2,
+    "seeds_3": sde.sample_seeds_3,
+    "exp_heun_2_x0": sde.sample_exp_heun_2_x0,
+    "exp_heun_2_x0_sde": sde.sample_exp_heun_2_x0_sde,
+    "sa_solver": sa.sample_sa_solver,
+    "sa_solver_pece": sa.sample_sa_solver_pece,
 }
 
 # ComfyUI spellings (its KSampler's sampler_name values) for the same functions.
@@ -73,11 +87,13 @@ SAMPLER_ALIASES: dict[str, str] = {
     "dpmpp_2m_sde": "dpm++2m_sde",
     "dpmpp_2m_sde_heun": "dpm++2m_sde_heun",
     "dpmpp_3m_sde": "dpm++3m_sde",
-    "ddim": "ddim_trailing",
     "euler_ancestral_cfg_pp": "euler_a_cfg_pp",
     "gradient_estimation": "euler_ge",
 }
 
+
+# ComfyUI's "ddim" is its euler sampler with inpainting noise drawn afresh (RANDOM_INPAINT_NOISE); sd.cpp's
+# ddim_trailing is DDIM itself (the same steps at eta 0, with its own eta).
 
 # The samplers ComfyUI's KSampler gives steps + 1 sigmas less the second-to-last one (its
 # DISCARD_PENULTIMATE_SIGMA_SAMPLERS: dpm_2, dpm_2_ancestral, uni_pc, uni_pc_bh2), by canonical name; their
@@ -99,6 +115,16 @@ BROWNIAN_TREE_ON_CPU: dict[Sampler, bool] = {
 }
 
 
+# The samplers whose noise-mask blend uses fresh noise, a CPU draw seeded with seed + 1 (ComfyUI's
+# inpaint_options "random"), instead of the job's initial noise.
+RANDOM_INPAINT_NOISE: frozenset[str] = frozenset({"ddim"})
+
+# The samplers that end a schedule ending at sigma 0 at another sigma, which the KSampler un-scales the result
+# at (ComfyUI's UniPC changes the last sigma of its schedule to 0.001 in place).
+FINAL_SIGMA: dict[Sampler, float] = {unipc.sample_uni_pc: unipc.UNIPC_FINAL_SIGMA,
+                                     unipc.sample_uni_pc_bh2: unipc.UNIPC_FINAL_SIGMA}
+
+
 def canonical_sampler_name(name: str) -> str:
     """The registry key for `name` (case-insensitive; sd.cpp and ComfyUI spellings)."""
     key = name.strip().lower()
@@ -117,6 +143,18 @@ def resolve_sampler(name: str) -> Sampler:
 def discards_penultimate_sigma(name: str) -> bool:
     """Whether ComfyUI's KSampler drops the second-to-last of steps + 1 sigmas for sampler `name`."""
     return canonical_sampler_name(name) in DISCARD_PENULTIMATE_SIGMA
+
+
+def uses_random_inpaint_noise(name: str) -> bool:
+    """Whether sampler `name` blends its noise mask with fresh noise (ComfyUI's ddim)."""
+    return canonical_sampler_name(name) in RANDOM_INPAINT_NOISE
+
+
+def final_sigma(sampler: Sampler, sigmas: torch.Tensor) -> torch.Tensor:
+    """The sigma a run of `sampler` over `sigmas` ends at: sigmas[-1], or the sampler's own end for 0."""
+    if sampler in FINAL_SIGMA and float(sigmas[-1]) == 0:
+        return torch.full_like(sigmas[-1], FINAL_SIGMA[sampler])
+    return sigmas[-1]
 
 
 def step_noise_sampler(sampler: Sampler, x: torch.Tensor, sigmas: torch.Tensor, seed: int | None,

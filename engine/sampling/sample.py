@@ -5,7 +5,8 @@ Semantics follow ComfyUI (nodes.common_ksampler, comfy.samplers.KSampler): `deno
 `int(steps / denoise)` sigmas and keeps the last `steps + 1`; `start_step` / `end_step` slice them;
 the noise is scaled into the latent by the model's `noise_scaling` (sqrt(1 + sigma^2) when starting
 from the model's sigma_max, sigma otherwise). The latent is in the model's space (already multiplied
-by the VAE scale factor).
+by the VAE scale factor). A noise mask (the LATENT's "noise_mask") keeps the latent where it is 0
+(inpaint.InpaintDenoiser, ComfyUI's KSamplerX0Inpaint).
 """
 
 import inspect
@@ -15,10 +16,18 @@ import torch
 
 from .flow import is_flow
 from .guidance import CFGDenoiser, Conditioning
+from .inpaint import InpaintDenoiser, latent_noise_mask
 from .model_sampling import Denoiser, max_denoise
 from .noise import prepare_noise
 from .preview import latent_to_rgb
-from .registry import Sampler, discards_penultimate_sigma, resolve_sampler, step_noise_sampler
+from .registry import (
+    Sampler,
+    discards_penultimate_sigma,
+    final_sigma,
+    resolve_sampler,
+    step_noise_sampler,
+    uses_random_inpaint_noise,
+)
 from .schedulers import calculate_sigmas
 
 
@@ -68,12 +77,14 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
            return_with_leftover_noise: bool = False, callback: Callable[[dict], None] | None = None,
            check_interrupt: Callable[[], None] | None = None,
            preview: Callable[[int, object], None] | None = None, family: str = "sd1",
-           custom_sigmas=None, sampler_options: dict | None = None) -> torch.Tensor:
+           custom_sigmas=None, sampler_options: dict | None = None,
+           denoise_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Run one KSampler(Advanced) job on a (B, C, H, W) model-space latent; returns the sampled latent.
 
     `callback(info)` gets the sampler's per-step dict plus "total"; `check_interrupt()` runs before every
     model call (raise from it to abort within one step); `preview(step, rgb)` gets an (H, W, 3) uint8
-    projection of the step's denoised latent for `family`.
+    projection of the step's denoised latent for `family`. `denoise_mask` (the LATENT's noise_mask, any
+    size): sample only where it is 1.
     """
     sampler_fn = resolve_sampler(sampler)
     sigmas = ksampler_sigmas(model.model_sampling, scheduler, steps, denoise, start_step, end_step,
@@ -81,32 +92,41 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
     if len(sigmas) < 2:
         return latent.clone()
     noise = prepare_noise(latent, seed) if add_noise else torch.zeros_like(latent)
+    random_blend = denoise_mask is not None and uses_random_inpaint_noise(sampler)
+    inpaint_noise = prepare_noise(latent, seed + 1) if random_blend else None
     guided = CFGDenoiser(model, positive, negative, cfg, check_interrupt=check_interrupt)
     return sample_sigmas(guided, latent, noise, sigmas, sampler_fn, seed, callback=callback, preview=preview,
-                         family=family, sampler_options=sampler_options)
+                         family=family, sampler_options=sampler_options, denoise_mask=denoise_mask,
+                         inpaint_noise=inpaint_noise)
 
 
 def sample_sigmas(model: CFGDenoiser, latent: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor,
                   sampler: Sampler, seed: int, callback: Callable[[dict], None] | None = None,
                   preview: Callable[[int, object], None] | None = None, family: str = "sd1",
-                  sampler_options: dict | None = None) -> torch.Tensor:
+                  sampler_options: dict | None = None, denoise_mask: torch.Tensor | None = None,
+                  inpaint_noise: torch.Tensor | None = None) -> torch.Tensor:
     """Sample a (B, C, H, W) model-space latent over the given sigmas, as ComfyUI's KSAMPLER.sample.
 
     The latent is noised to sigmas[0] by the model sampling's `noise_scaling` (`noise` is unit Gaussian, or
-    zeros for none), the guided denoiser `model` is stepped by `sampler`, and the result un-scaled at
-    sigmas[-1]. `seed` seeds the per-step noise of ancestral and SDE samplers as ComfyUI's KSAMPLER does
-    (registry.step_noise_sampler). Empty sigmas return the
-    latent; a single sigma returns the latent noised to it, without a model call (as ComfyUI). `callback`,
-    `preview` and `family` as for `sample`.
+    zeros for none), the guided denoiser `model` is stepped by `sampler`, and the result un-scaled at the
+    sigma the run ends at (registry.final_sigma). `seed` seeds the per-step noise of ancestral and SDE
+    samplers as ComfyUI's KSAMPLER does (registry.step_noise_sampler). Empty sigmas return the latent; a
+    single sigma returns the latent noised to it, without a model call (as ComfyUI). `callback`, `preview`
+    and `family` as for `sample`. `denoise_mask` (B', 1, H, W) at any size: the latent is kept where it is
+    0, by blending the latent noised with `inpaint_noise` (default: `noise`) into every model call.
     """
     if len(sigmas) == 0:
         return latent.clone()
     model_sampling = model.model_sampling
     sigmas = sigmas.to(latent.device)
-    x = model_sampling.noise_scaling(sigmas[0], noise.to(latent.device), latent,
-                                     max_denoise(model_sampling, sigmas))
+    noise = noise.to(latent.device)
+    x = model_sampling.noise_scaling(sigmas[0], noise, latent, max_denoise(model_sampling, sigmas))
     if len(sigmas) == 1:
         return model_sampling.inverse_noise_scaling(sigmas[-1], x)
+    if denoise_mask is not None:
+        blend_noise = noise if inpaint_noise is None else inpaint_noise.to(latent.device)
+        model = InpaintDenoiser(model, latent, blend_noise,
+                                latent_noise_mask(denoise_mask, latent.shape).to(latent.device))
     total = len(sigmas) - 1
 
     def on_step(info: dict) -> None:
@@ -119,4 +139,4 @@ def sample_sigmas(model: CFGDenoiser, latent: torch.Tensor, noise: torch.Tensor,
     if "noise_sampler" in inspect.signature(sampler).parameters and "noise_sampler" not in options:
         options["noise_sampler"] = step_noise_sampler(sampler, x, sigmas, seed, flow=is_flow(model))
     samples = sampler(model, x, sigmas, extra_args={}, callback=on_step, disable=True, **options)
-    return model_sampling.inverse_noise_scaling(sigmas[-1], samples)
+    return model_sampling.inverse_noise_scaling(final_sigma(sampler, sigmas), samples)

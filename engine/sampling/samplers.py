@@ -76,7 +76,7 @@ def _churn(x, sigma, n_steps, s_churn, s_tmin, s_tmax, s_noise, noise_sampler):
     return x, sigma_hat
 
 
-def _uncond_source(model) -> Callable[[torch.Tensor], torch.Tensor]:
+def uncond_source(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """For CFG++: ask a guided denoiser to keep its unconditional prediction (see guidance.py)."""
     if hasattr(model, "keep_uncond"):
         model.keep_uncond = True
@@ -253,7 +253,7 @@ def sample_euler_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = 
     if is_flow(model):
         return run_in_ve_coordinates(sample_euler_cfg_pp, model, x, sigmas, extra_args, callback, disable)
     extra_args = {} if extra_args is None else extra_args
-    uncond_of = _uncond_source(model)
+    uncond_of = uncond_source(model)
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
@@ -272,7 +272,7 @@ def sample_euler_ancestral_cfg_pp(model, x, sigmas, extra_args=None, callback: C
                                      disable, eta=eta, s_noise=s_noise, noise_sampler=noise_sampler)
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
-    uncond_of = _uncond_source(model)
+    uncond_of = uncond_source(model)
     s_in = x.new_ones([x.shape[0]])
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
@@ -287,21 +287,22 @@ def sample_euler_ancestral_cfg_pp(model, x, sigmas, extra_args=None, callback: C
 
 @torch.no_grad()
 def sample_gradient_estimation(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
-                               ge_gamma=2.0):
+                               ge_gamma=2.0, cfg_pp=False):
     """Gradient estimation (Permenter & Yuan 2024, "Interpreting and Improving Diffusion Models ...")."""
     extra_args = {} if extra_args is None else extra_args
+    uncond_of = uncond_source(model) if cfg_pp else None
     s_in = x.new_ones([x.shape[0]])
     old_d = None
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
-        d = to_d(x, sigmas[i], denoised)
+        d = to_d(x, sigmas[i], uncond_of(denoised) if cfg_pp else denoised)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         dt = sigmas[i + 1] - sigmas[i]
         if sigmas[i + 1] == 0:
             x = denoised
         else:
-            x = x + d * dt
+            x = denoised + d * sigmas[i + 1] if cfg_pp else x + d * dt
             if old_d is not None:
                 x = x + (ge_gamma - 1) * (d - old_d) * dt  # d_bar = gamma d + (1 - gamma) d_prev
         old_d = d
@@ -435,3 +436,42 @@ def sample_res_2s(model, x, sigmas, extra_args=None, callback: Callback = None, 
         if sigmas[i + 1] > 0 and sigma_up > 0:
             x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
     return x
+
+
+@torch.no_grad()
+def sample_dpmpp_2s_ancestral_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None,
+                                     disable=None, eta=1.0, s_noise=1.0,
+                                     noise_sampler: NoiseSampler | None = None):
+    """DPM-Solver++(2S) ancestral (Lu et al. 2022b) with CFG++ (Chung et al. 2024), as ComfyUI: both stages
+    step along the unconditional prediction, then the step's guidance (denoised - uncond) is added, scaled by
+    the data scale at sigma_next (1 - sigma_next on flow models, 1 otherwise); the RF split on flow models."""
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    uncond_of = uncond_source(model)
+    s_in = x.new_ones([x.shape[0]])
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        uncond = uncond_of(denoised)
+        guidance = denoised - uncond
+        sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigma_down == 0:
+            x = x + to_d(x, sigmas[i], uncond) * (sigma_down - sigmas[i])
+        else:  # both stages x_s = (s / sigma) x + (1 - s / sigma) uncond, the second with the stage's uncond
+            sigma_s = _midpoint_sigma(model, sigmas[i], sigma_down)
+            x_2 = (sigma_s / sigmas[i]) * x + (1 - sigma_s / sigmas[i]) * uncond
+            uncond_2 = uncond_of(model(x_2, sigma_s * s_in, **extra_args))
+            x = (sigma_down / sigmas[i]) * x + (1 - sigma_down / sigmas[i]) * uncond_2
+        if sigmas[i + 1] > 0:
+            x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
+        x = x + (1 - sigmas[i + 1] if is_flow(model) else 1) * guidance
+    return x
+
+
+@torch.no_grad()
+def sample_gradient_estimation_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None,
+                                      disable=None, ge_gamma=2.0):
+    """Gradient estimation (Permenter & Yuan 2024) with CFG++ (Chung et al. 2024): the Euler step renoises
+    along the unconditional prediction, whose derivative also feeds the gradient estimate (ComfyUI)."""
+    return sample_gradient_estimation(model, x, sigmas, extra_args, callback, disable, ge_gamma, cfg_pp=True)

@@ -10,7 +10,7 @@ import torch
 
 from .flow import refuse_on_flow
 from .noise import NoiseSampler, default_noise_sampler
-from .samplers import Callback, ancestral_split, to_d
+from .samplers import Callback, ancestral_split, to_d, uncond_source
 
 _GAUSS_NODES, _GAUSS_WEIGHTS = np.polynomial.legendre.leggauss(16)
 
@@ -168,6 +168,33 @@ def sample_dpmpp_2m(model, x, sigmas, extra_args=None, callback: Callback = None
 
 
 @torch.no_grad()
+def sample_dpmpp_2m_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
+    """DPM-Solver++(2M) (Lu et al. 2022b) with CFG++ (Chung et al. 2024), as ComfyUI: the step leaves from the
+    guided prediction along the unconditional one, x = D + e^-h (x - uncond) - (e^-h - 1) / (2r) (D - uncond')
+    with uncond' the previous step's unconditional prediction."""
+    extra_args = {} if extra_args is None else extra_args
+    uncond_of = uncond_source(model)
+    s_in = x.new_ones([x.shape[0]])
+    old_uncond = None
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        uncond = uncond_of(denoised)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+        else:
+            h = sigmas[i].log() - sigmas[i + 1].log()  # step in t = -log sigma
+            mix = -torch.exp(-h) * uncond
+            if old_uncond is not None:
+                r = (sigmas[i - 1].log() - sigmas[i].log()) / h
+                mix = mix - torch.expm1(-h) * (1 / (2 * r)) * (denoised - old_uncond)
+            x = denoised + mix + torch.exp(-h) * x
+        old_uncond = uncond
+    return x
+
+
+@torch.no_grad()
 def sample_dpmpp_2m_v2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
     """DPM-Solver++(2M) v2 of AUTOMATIC1111 discussion 8457, as stable-diffusion.cpp's dpm++2mv2."""
     refuse_on_flow("dpm++2mv2", model)
@@ -193,29 +220,40 @@ def sample_dpmpp_2m_v2(model, x, sigmas, extra_args=None, callback: Callback = N
 
 @torch.no_grad()
 def sample_res_multistep(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=0.0,
-                         s_noise=1.0, noise_sampler: NoiseSampler | None = None):
-    """RES multistep exponential integrator (Zhang et al. 2023, "Improved Order Analysis ..."), as ComfyUI."""
+                         s_noise=1.0, noise_sampler: NoiseSampler | None = None, cfg_pp=False):
+    """RES multistep exponential integrator (Zhang et al. 2023, "Improved Order Analysis ..."), as ComfyUI.
+
+    `cfg_pp`: CFG++ (Chung et al. 2024), ComfyUI's res_multistep(_ancestral)_cfg_pp: the steps follow the
+    unconditional prediction, the multistep one after adding the guidance denoised - uncond to x.
+    """
     extra_args = {} if extra_args is None else extra_args
     noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    uncond_of = uncond_source(model) if cfg_pp else None
     s_in = x.new_ones([x.shape[0]])
     old_denoised, old_sigma_down = None, None
     for i in range(len(sigmas) - 1):
         denoised = model(x, sigmas[i] * s_in, **extra_args)
+        followed = uncond_of(denoised) if cfg_pp else denoised  # the prediction the steps follow
         sigma_down, rescale, sigma_up = ancestral_split(model, sigmas[i], sigmas[i + 1], eta=eta)
         if callback is not None:
             callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
         if sigma_down == 0 or old_denoised is None:
-            x = x + to_d(x, sigmas[i], denoised) * (sigma_down - sigmas[i])
+            if cfg_pp:
+                x = denoised + to_d(x, sigmas[i], followed) * sigma_down
+            else:
+                x = x + to_d(x, sigmas[i], denoised) * (sigma_down - sigmas[i])
         else:
             h = sigmas[i].log() - sigma_down.log()  # step in t = -log sigma
             c2 = (old_sigma_down.log() - sigmas[i - 1].log()) / h  # previous node at c2 h (c2 < 0)
             phi1 = torch.expm1(-h) / -h
             phi2 = (phi1 - 1.0) / -h
             b1, b2 = torch.nan_to_num(phi1 - phi2 / c2), torch.nan_to_num(phi2 / c2)
-            x = (-h).exp() * x + h * (b1 * denoised + b2 * old_denoised)
+            if cfg_pp:
+                x = x + (denoised - followed)
+            x = (-h).exp() * x + h * (b1 * followed + b2 * old_denoised)
         if sigmas[i + 1] > 0 and sigma_up > 0:
             x = rescale * x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * sigma_up
-        old_denoised, old_sigma_down = denoised, sigma_down
+        old_denoised, old_sigma_down = followed, sigma_down
     return x
 
 
@@ -226,67 +264,18 @@ def sample_res_multistep_ancestral(model, x, sigmas, extra_args=None, callback: 
     return sample_res_multistep(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler)
 
 
-def _unipc_system(h: torch.Tensor, rks: torch.Tensor, order: int, variant: str):
-    """UniPC's (h phi_1, B(h), R, b) for data prediction (Zhao et al. 2023, Algorithms 2-3)."""
-    hh = -h
-    h_phi_1 = torch.expm1(hh)
-    h_phi_k = h_phi_1 / hh - 1
-    b_h = hh if variant == "bh1" else torch.expm1(hh)
-    rows, b, factorial = [], [], 1
-    for k in range(1, order + 1):
-        rows.append(rks ** (k - 1))
-        b.append(h_phi_k * factorial / b_h)
-        factorial *= k + 1
-        h_phi_k = h_phi_k / hh - 1 / factorial
-    return h_phi_1, b_h, torch.stack(rows), torch.stack(b)
-
-
-def _unipc_differences(history, lambdas, lambda_s0, h, order):
-    """Scaled differences D1_k = (m_k - m_0) / r_k of the last `order - 1` predictions, and r_k."""
-    m0 = history[-1]
-    rks = [(lambdas[-(k + 1)] - lambda_s0) / h for k in range(1, order)]
-    d1s = [(history[-(k + 1)] - m0) / rk for k, rk in zip(range(1, order), rks, strict=True)]
-    return torch.stack(rks + [torch.ones_like(h)]), d1s
+@torch.no_grad()
+def sample_res_multistep_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                                s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """RES multistep with CFG++ (ComfyUI res_multistep_cfg_pp)."""
+    return sample_res_multistep(model, x, sigmas, extra_args, callback, disable, 0.0, s_noise, noise_sampler,
+                                cfg_pp=True)
 
 
 @torch.no_grad()
-def sample_uni_pc(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, order=3,
-                  variant="bh1"):
-    """UniPC multistep predictor-corrector (Zhao et al. 2023), data prediction, lower order at the end."""
-    extra_args = {} if extra_args is None else extra_args
-    s_in = x.new_ones([x.shape[0]])
-    lambdas = -sigmas.double().log()  # lambda = -log sigma (inf at sigma 0)
-    history, lambda_history = [], []
-    x_prev, prev_order = None, 1
-    n = len(sigmas) - 1
-    for i in range(n):
-        denoised = model(x, sigmas[i] * s_in, **extra_args)
-        if callback is not None:
-            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
-        if x_prev is not None:  # UniC: correct the point just reached with its own prediction
-            h = lambdas[i] - lambda_history[-1]
-            rks, d1s = _unipc_differences(history, lambda_history, lambda_history[-1], h, prev_order)
-            h_phi_1, b_h, rows, b = _unipc_system(h, rks, prev_order, variant)
-            rhos = torch.tensor([0.5], dtype=h.dtype) if prev_order == 1 else torch.linalg.solve(rows, b)
-            res = sum(float(r) * d for r, d in zip(rhos[:-1], d1s, strict=True)) + float(rhos[-1]) * \
-                (denoised - history[-1])
-            x = (sigmas[i] / sigmas[i - 1]) * x_prev - float(h_phi_1) * history[-1] - float(b_h) * res
-        history, lambda_history = (history + [denoised])[-order:], (lambda_history + [lambdas[i]])[-order:]
-        this_order = min(order, n - i, len(history))
-        h = lambdas[i + 1] - lambdas[i]
-        rks, d1s = _unipc_differences(history, lambda_history, lambdas[i], h, this_order)
-        h_phi_1, b_h, rows, b = _unipc_system(h, rks, this_order, variant)
-        x_prev = x
-        x = (sigmas[i + 1] / sigmas[i]) * x - float(h_phi_1) * denoised
-        if this_order > 1:  # UniP: higher-order predictor terms
-            rhos = torch.tensor([0.5], dtype=h.dtype) if this_order == 2 else \
-                torch.linalg.solve(rows[:-1, :-1], b[:-1])
-            x = x - float(b_h) * sum(float(r) * d for r, d in zip(rhos, d1s, strict=True))
-        prev_order = this_order
-    return x
-
-
-@torch.no_grad()
-def sample_uni_pc_bh2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, order=3):
-    """UniPC with the B(h) = e^h - 1 variant (Zhao et al. 2023)."""
-    return sample_uni_pc(model, x, sigmas, extra_args, callback, disable, order=order, variant="bh2")
+def sample_res_multistep_ancestral_cfg_pp(model, x, sigmas, extra_args=None, callback: Callback = None,
+                                          disable=None, eta=1.0, s_noise=1.0,
+                                          noise_sampler: NoiseSampler | None = None):
+    """RES multistep with ancestral noise and CFG++ (ComfyUI res_multistep_ancestral_cfg_pp)."""
+    return sample_res_multistep(model, x, sigmas, extra_args, callback, disable, eta, s_noise, noise_sampler,
+                                cfg_pp=True)

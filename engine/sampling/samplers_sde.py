@@ -208,3 +208,120 @@ def sample_er_sde(model, x, sigmas, extra_args=None, callback: Callback = None, 
                 x = x + noise_sampler(sigmas[i], sigmas[i + 1]) * s_noise * noise_std
         old_denoised = denoised
     return x
+
+
+def _h_phi_2(h: torch.Tensor) -> torch.Tensor:
+    """h phi_2(h) = (e^h - 1 - h) / h of exponential integrators."""
+    return (torch.expm1(h) - h) / h
+
+
+@torch.no_grad()
+def sample_seeds_2(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                   s_noise=1.0, noise_sampler: NoiseSampler | None = None, r=0.5, solver_type="phi_1"):
+    """SEEDS-2 (Gonzalez et al. 2023, "SEEDS: Exponential SDE Solvers for Fast High-Quality Sampling from
+    Diffusion Models"), data prediction in log-SNR time with a stage at r h; as ComfyUI's seeds_2, whose
+    solver_type phi_2 gives the exponential Heun method at r = 1 (exp_heun_2_x0). The two noise draws of a
+    step are the increments of one Brownian path over its two segments."""
+    if solver_type not in ("phi_1", "phi_2"):
+        raise ValueError(f"solver_type must be 'phi_1' or 'phi_2'; got '{solver_type}'")
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_seeds_2, model, x, sigmas, extra_args, callback, disable, eta=eta,
+                                     s_noise=s_noise, noise_sampler=noise_sampler, r=r,
+                                     solver_type=solver_type)
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    inject_noise = eta > 0 and s_noise > 0
+    s_in = x.new_ones([x.shape[0]])
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+            continue
+        lambda_s, lambda_t = -sigmas[i].log(), -sigmas[i + 1].log()  # lambda = -log sigma
+        h = lambda_t - lambda_s
+        h_eta = h * (eta + 1)
+        sigma_1 = (-torch.lerp(lambda_s, lambda_t, r)).exp()
+        x_2 = sigma_1 / sigmas[i] * (-r * h * eta).exp() * x - torch.expm1(-r * h_eta) * denoised
+        if inject_noise:
+            sde_noise = (-2 * r * h * eta).expm1().neg().sqrt() * noise_sampler(sigmas[i], sigma_1)
+            x_2 = x_2 + sde_noise * sigma_1 * s_noise
+        denoised_2 = model(x_2, sigma_1 * s_in, **extra_args)
+        decay = sigmas[i + 1] / sigmas[i] * (-h * eta).exp()
+        if solver_type == "phi_1":
+            x = decay * x - torch.expm1(-h_eta) * torch.lerp(denoised, denoised_2, 1 / (2 * r))
+        else:
+            b2 = _h_phi_2(-h_eta) / r
+            x = decay * x - ((torch.expm1(-h_eta) - b2) * denoised + b2 * denoised_2)
+        if inject_noise:  # the path's increment over [sigma_1, sigma_next], the first one decayed
+            segment = (r - 1) * h * eta
+            sde_noise = sde_noise * segment.exp() + \
+                (2 * segment).expm1().neg().sqrt() * noise_sampler(sigma_1, sigmas[i + 1])
+            x = x + sde_noise * sigmas[i + 1] * s_noise
+    return x
+
+
+@torch.no_grad()
+def sample_seeds_3(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None, eta=1.0,
+                   s_noise=1.0, noise_sampler: NoiseSampler | None = None, r_1=1 / 3, r_2=2 / 3):
+    """SEEDS-3 (Gonzalez et al. 2023), data prediction in log-SNR time with stages at r_1 h and r_2 h; as
+    ComfyUI's seeds_3."""
+    if is_flow(model):
+        return run_in_ve_coordinates(sample_seeds_3, model, x, sigmas, extra_args, callback, disable, eta=eta,
+                                     s_noise=s_noise, noise_sampler=noise_sampler, r_1=r_1, r_2=r_2)
+    extra_args = {} if extra_args is None else extra_args
+    noise_sampler = default_noise_sampler(x) if noise_sampler is None else noise_sampler
+    inject_noise = eta > 0 and s_noise > 0
+    s_in = x.new_ones([x.shape[0]])
+    for i in range(len(sigmas) - 1):
+        denoised = model(x, sigmas[i] * s_in, **extra_args)
+        if callback is not None:
+            callback({"x": x, "i": i, "sigma": sigmas[i], "sigma_hat": sigmas[i], "denoised": denoised})
+        if sigmas[i + 1] == 0:
+            x = denoised
+            continue
+        lambda_s, lambda_t = -sigmas[i].log(), -sigmas[i + 1].log()
+        h = lambda_t - lambda_s
+        h_eta = h * (eta + 1)
+        sigma_1 = (-torch.lerp(lambda_s, lambda_t, r_1)).exp()
+        sigma_2 = (-torch.lerp(lambda_s, lambda_t, r_2)).exp()
+        x_2 = sigma_1 / sigmas[i] * (-r_1 * h * eta).exp() * x - torch.expm1(-r_1 * h_eta) * denoised
+        if inject_noise:
+            sde_noise = (-2 * r_1 * h * eta).expm1().neg().sqrt() * noise_sampler(sigmas[i], sigma_1)
+            x_2 = x_2 + sde_noise * sigma_1 * s_noise
+        denoised_2 = model(x_2, sigma_1 * s_in, **extra_args)
+        a_2 = r_2 / r_1 * _h_phi_2(-r_2 * h_eta)
+        a_1 = torch.expm1(-r_2 * h_eta) - a_2
+        x_3 = sigma_2 / sigmas[i] * (-r_2 * h * eta).exp() * x - (a_1 * denoised + a_2 * denoised_2)
+        if inject_noise:
+            segment = (r_1 - r_2) * h * eta
+            sde_noise = sde_noise * segment.exp() + \
+                (2 * segment).expm1().neg().sqrt() * noise_sampler(sigma_1, sigma_2)
+            x_3 = x_3 + sde_noise * sigma_2 * s_noise
+        denoised_3 = model(x_3, sigma_2 * s_in, **extra_args)
+        b_3 = _h_phi_2(-h_eta) / r_2
+        b_1 = torch.expm1(-h_eta) - b_3
+        x = sigmas[i + 1] / sigmas[i] * (-h * eta).exp() * x - (b_1 * denoised + b_3 * denoised_3)
+        if inject_noise:
+            segment = (r_2 - 1) * h * eta
+            sde_noise = sde_noise * segment.exp() + \
+                (2 * segment).expm1().neg().sqrt() * noise_sampler(sigma_2, sigmas[i + 1])
+            x = x + sde_noise * sigmas[i + 1] * s_noise
+    return x
+
+
+@torch.no_grad()
+def sample_exp_heun_2_x0(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None):
+    """The exponential Heun method in data prediction and log-SNR time (ComfyUI's exp_heun_2_x0): SEEDS-2
+    with its stage at the step's end (r = 1), phi_2 weights, no noise."""
+    return sample_seeds_2(model, x, sigmas, extra_args, callback, disable, eta=0.0, s_noise=0.0, r=1.0,
+                          solver_type="phi_2")
+
+
+@torch.no_grad()
+def sample_exp_heun_2_x0_sde(model, x, sigmas, extra_args=None, callback: Callback = None, disable=None,
+                             eta=1.0, s_noise=1.0, noise_sampler: NoiseSampler | None = None):
+    """The stochastic exponential Heun method (ComfyUI's exp_heun_2_x0_sde): SEEDS-2 at r = 1, phi_2."""
+    return sample_seeds_2(model, x, sigmas, extra_args, callback, disable, eta=eta, s_noise=s_noise,
+                          noise_sampler=noise_sampler, r=1.0, solver_type="phi_2")

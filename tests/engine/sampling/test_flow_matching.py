@@ -326,6 +326,8 @@ STOCHASTIC = {  # sampler -> options that make it stochastic
     "dpm++2m_sde_heun": {}, "dpm++3m_sde": {}, "er_sde": {}, "ddpm": {}, "euler_a_cfg_pp": {}, "lcm": {},
     "res_multistep_ancestral": {}, "ddim_trailing": {"eta": 1.0}, "res_2s": {"eta": 1.0},
     "dpmpp_sde_gpu": {}, "dpmpp_2m_sde_gpu": {}, "dpmpp_2m_sde_heun_gpu": {}, "dpmpp_3m_sde_gpu": {},
+    "dpmpp_2s_ancestral_cfg_pp": {}, "res_multistep_ancestral_cfg_pp": {}, "seeds_2": {}, "seeds_3": {},
+    "exp_heun_2_x0_sde": {}, "sa_solver": {}, "sa_solver_pece": {},
 }
 ODE_SAMPLERS = sorted(set(SAMPLERS) - set(FLOW_REFUSED_SAMPLERS))
 

@@ -94,10 +94,11 @@ def test_ancestral_k_samplers_match_diffusers_with_the_same_noise(name, schedule
     ("dpm++2m", dict(algorithm_type="dpmsolver++", solver_order=2), "zero"),
     ("dpm++2m_sde", dict(algorithm_type="sde-dpmsolver++", solver_order=2), "zero"),
     ("uni_pc", dict(solver_type="bh1", solver_order=3), "sigma_min"),
-    ("uni_pc_bh2", dict(solver_type="bh2", solver_order=3), "zero"),
     ("uni_pc_bh2", dict(solver_type="bh2", solver_order=3), "sigma_min"),
 ])
 def test_multistep_samplers_match_diffusers(name, config, final, use_karras):
+    """UniPC, ComfyUI's (a schedule ending at 0 ends at sigma 0.001 instead: test_comfy_samplers.py), takes
+    diffusers' UniPC steps on schedules ending at sigma_min."""
     cls = UniPCMultistepScheduler if name.startswith("uni_pc") else DPMSolverMultistepScheduler
     scheduler = cls(**SD, use_karras_sigmas=use_karras, final_sigmas_type=final, **config)
     scheduler.set_timesteps(12)
