@@ -12,6 +12,7 @@ import pytest
 
 from engine.settings import load_settings
 from nodes.sampling import KSampler
+from tests.engine.sampling.comfy_lists import COMFY_SAMPLER_NAMES, COMFY_SCHEDULER_NAMES
 from tools.embedded_generate import EmbeddedGenerator
 
 SAMPLER_NAMES = KSampler.input_named("sampler_name").current_choices()
@@ -39,13 +40,11 @@ def test_the_ksampler_offers_every_stable_diffusion_cpp_and_comfyui_name():
               "lcm", "ddim_trailing", "tcd", "res_multistep", "res_2s", "er_sde", "euler_cfg_pp",
               "euler_a_cfg_pp",
               "euler_ge", "dpm++2m_sde", "dpm++2m_sde_bt", "lms"}
-    comfy = {"euler_ancestral", "dpm_2", "dpm_2_ancestral", "dpmpp_2s_ancestral", "dpmpp_2m", "dpmpp_sde",
-             "dpmpp_2m_sde", "dpmpp_3m_sde", "ddpm", "deis", "uni_pc", "uni_pc_bh2", "lcm", "ipndm"}
     schedulers = {"normal", "discrete", "karras", "exponential", "ays", "gits", "sgm_uniform", "simple",
                   "smoothstep", "kl_optimal", "lcm", "beta", "ddim_uniform", "linear_quadratic"}
     assert sd_cpp <= set(SAMPLER_NAMES)
-    assert comfy <= set(SAMPLER_NAMES)
-    assert schedulers <= set(SCHEDULER_NAMES)
+    assert set(COMFY_SAMPLER_NAMES) <= set(SAMPLER_NAMES)  # current ComfyUI's KSampler lists
+    assert set(COMFY_SCHEDULER_NAMES) <= schedulers <= set(SCHEDULER_NAMES)
 
 
 @pytest.mark.parametrize("sampler", SAMPLER_NAMES)
