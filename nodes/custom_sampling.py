@@ -116,7 +116,7 @@ def run_custom_sampler(ctx: RunContext, noise: Any, guider: Any, sampler: Any, s
         last["denoised"] = info["denoised"]
         report(info)
 
-    noise_values = noise.generate(samples)
+    noise_values = noise.generate(samples, latent_image.get("batch_index"))
     inpaint_noise = None
     if noise_mask is not None and uses_random_inpaint_noise(sampler.name):
         inpaint_noise = prepare_noise(samples, noise.seed + 1)

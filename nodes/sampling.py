@@ -129,7 +129,8 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
                     steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
                     end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
                     callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
-                    family=model.latent_format, denoise_mask=noise_mask)
+                    family=model.latent_format, denoise_mask=noise_mask,
+                    batch_index=latent_image.get("batch_index"))
     return latent_output(model, latent_image, result)
 
 

@@ -5,17 +5,22 @@ the same sample in k-diffusion (VE) coordinates is x / alpha at sigma_ve = sigma
 deterministic ODE dx/dsigma = (x - x0) / sigma has the same form in both, so every ODE sampler runs on flow
 sigmas unchanged. What depends on alpha is noise: the samplers serve flow models in one of four ways.
 
-- Unchanged (ComfyUI's versions do the same on CONST models): euler, heun, heunpp2, dpm2, dpm++2m, ipndm,
-  ipndm_v, lms, deis, uni_pc, uni_pc_bh2, res_multistep, res_2s (eta 0), euler_ge, dpm_adaptive,
-  dpm_fast (eta 0) and lcm (it renoises with the model's own noise_scaling).
+- Unchanged (ComfyUI's versions do the same on CONST models): euler (and ComfyUI's ddim, which is euler),
+  heun, heunpp2, dpm2, dpm++2m, ipndm, ipndm_v, lms, deis, uni_pc, uni_pc_bh2 (ComfyUI's UniPC takes flow
+  sigmas for VE ones), res_multistep, res_2s (eta 0), euler_ge, dpm_adaptive, dpm_fast (eta 0), lcm (it
+  renoises with the model's own noise_scaling), and the CFG++ samplers dpmpp_2m_cfg_pp,
+  res_multistep_cfg_pp and gradient_estimation_cfg_pp.
 - The rectified-flow ancestral step (ComfyUI's sample_euler_ancestral_RF and siblings): euler_a, dpm2_a,
-  dpm++2s_a, and res_multistep_ancestral / res_2s with eta > 0. Step deterministically to
+  dpm++2s_a, dpmpp_2s_ancestral_cfg_pp, and res_multistep_ancestral(_cfg_pp) / res_2s with eta > 0 (where
+  ComfyUI's res_multistep samplers add VE noise to flow samples). Step deterministically to
   sigma_down = sigma_next (1 + (sigma_next / sigma - 1) eta), then x = (alpha_next / alpha_down) x +
-  noise * sqrt(sigma_next^2 - sigma_down^2 alpha_next^2 / alpha_down^2). dpm++2s_a takes its midpoint
-  in half-log-SNR log(alpha / sigma) there.
+  noise * sqrt(sigma_next^2 - sigma_down^2 alpha_next^2 / alpha_down^2). dpm++2s_a and its CFG++ version
+  take their midpoint in half-log-SNR log(alpha / sigma) there; the CFG++ one adds its guidance times
+  alpha_next.
 - In VE coordinates (`run_in_ve_coordinates`), which is exactly ComfyUI's half-log-SNR form of these
   samplers on CONST models: dpm++sde, dpm++2m_sde (and _heun, _bt), dpm++3m_sde, er_sde, euler_cfg_pp,
-  euler_a_cfg_pp. The same serves ddpm and ddim_trailing, whose DDPM/DDIM formulas assume a VP model
+  euler_a_cfg_pp, seeds_2, seeds_3, exp_heun_2_x0(_sde), sa_solver(_pece). The same serves ddpm and
+  ddim_trailing, whose DDPM/DDIM formulas assume a VP model
   (ComfyUI runs its ddpm on flow sigmas as if they were VE ones, which is wrong; its ddim is euler, and
   ours in VE coordinates at eta 0 is the same flow Euler step). As ComfyUI's offset_first_sigma_for_snr,
   a first sigma of 1 (infinite sigma_ve) becomes percent_to_sigma(1e-4); ComfyUI skips that offset for

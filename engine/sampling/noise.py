@@ -6,7 +6,7 @@ that of the DPM++ SDE samplers from a torchsde Brownian tree (BrownianTreeNoiseS
 ComfyUI's image on the same device.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,15 +14,25 @@ import torch
 NoiseSampler = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (sigma, sigma_next) -> noise like x
 
 
-def prepare_noise(latent: torch.Tensor, seed: int) -> torch.Tensor:
+def prepare_noise(latent: torch.Tensor, seed: int, batch_index: Sequence[int] | None = None) -> torch.Tensor:
     """Initial noise exactly as ComfyUI's comfy.sample.prepare_noise: one CPU randn over the whole batch.
 
     ComfyUI seeds the global CPU generator (`torch.manual_seed(seed)`) and draws with it; a fresh
-    `torch.Generator().manual_seed(seed)` yields the same stream without touching global state.
+    `torch.Generator().manual_seed(seed)` yields the same stream without touching global state. With a
+    LATENT's `batch_index` (LatentFromBatch, RepeatLatentBatch), item k gets the batch_index[k]-th of
+    max(batch_index) + 1 single-item draws, so an item keeps the noise it had in its original batch.
     """
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
-    return torch.randn(latent.shape, dtype=latent.dtype, layout=latent.layout, generator=generator,
-                       device="cpu")
+    if batch_index is None:
+        return torch.randn(latent.shape, dtype=latent.dtype, layout=latent.layout, generator=generator,
+                           device="cpu")
+    if len(batch_index) != latent.shape[0] or min(batch_index) < 0:
+        raise ValueError(f"batch_index must give a non-negative index per latent item ({latent.shape[0]}); "
+                         f"got {list(batch_index)}")
+    item_shape = (1, *latent.shape[1:])
+    draws = [torch.randn(item_shape, dtype=latent.dtype, layout=latent.layout, generator=generator,
+                         device="cpu") for _ in range(max(batch_index) + 1)]
+    return torch.cat([draws[int(k)] for k in batch_index])
 
 
 @dataclass(frozen=True)
@@ -31,8 +41,8 @@ class SeededNoise:
 
     seed: int
 
-    def generate(self, latent: torch.Tensor) -> torch.Tensor:
-        return prepare_noise(latent, self.seed)
+    def generate(self, latent: torch.Tensor, batch_index: Sequence[int] | None = None) -> torch.Tensor:
+        return prepare_noise(latent, self.seed, batch_index)
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class EmptyNoise:
 
     seed: int = 0
 
-    def generate(self, latent: torch.Tensor) -> torch.Tensor:
+    def generate(self, latent: torch.Tensor, batch_index: Sequence[int] | None = None) -> torch.Tensor:
         return torch.zeros(latent.shape, dtype=latent.dtype, layout=latent.layout, device="cpu")
 
 

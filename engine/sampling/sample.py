@@ -78,20 +78,20 @@ def sample(model: Denoiser, latent: torch.Tensor, positive: Conditioning, negati
            check_interrupt: Callable[[], None] | None = None,
            preview: Callable[[int, object], None] | None = None, family: str = "sd1",
            custom_sigmas=None, sampler_options: dict | None = None,
-           denoise_mask: torch.Tensor | None = None) -> torch.Tensor:
+           denoise_mask: torch.Tensor | None = None, batch_index: list[int] | None = None) -> torch.Tensor:
     """Run one KSampler(Advanced) job on a (B, C, H, W) model-space latent; returns the sampled latent.
 
     `callback(info)` gets the sampler's per-step dict plus "total"; `check_interrupt()` runs before every
     model call (raise from it to abort within one step); `preview(step, rgb)` gets an (H, W, 3) uint8
     projection of the step's denoised latent for `family`. `denoise_mask` (the LATENT's noise_mask, any
-    size): sample only where it is 1.
+    size): sample only where it is 1. `batch_index` (the LATENT's): the items' places in the noise draws.
     """
     sampler_fn = resolve_sampler(sampler)
     sigmas = ksampler_sigmas(model.model_sampling, scheduler, steps, denoise, start_step, end_step,
                              return_with_leftover_noise, family, custom_sigmas, sampler=sampler)
     if len(sigmas) < 2:
         return latent.clone()
-    noise = prepare_noise(latent, seed) if add_noise else torch.zeros_like(latent)
+    noise = prepare_noise(latent, seed, batch_index) if add_noise else torch.zeros_like(latent)
     random_blend = denoise_mask is not None and uses_random_inpaint_noise(sampler)
     inpaint_noise = prepare_noise(latent, seed + 1) if random_blend else None
     guided = CFGDenoiser(model, positive, negative, cfg, check_interrupt=check_interrupt)

@@ -3,8 +3,10 @@
 `model(x, sigma, **extra_args)` returns the denoised x0; `sigmas` descend to 0. Each sampler calls
 `callback({"x", "i", "sigma", "sigma_hat", "denoised"})` once per step. Ancestral and stochastic ones
 draw noise from `noise_sampler(sigma, sigma_next)` (see noise.py); without one they use an unseeded
-Gaussian sampler. Multistep and SDE samplers live in samplers_multistep.py and samplers_sde.py; the
-name registry in registry.py. How each one serves rectified-flow models (FLUX, SD3) is in flow.py.
+Gaussian sampler. Multistep and SDE samplers live in samplers_multistep.py and samplers_sde.py, UniPC and
+SA-Solver in their own files; the name registry in registry.py. The CFG++ samplers (Chung et al. 2024)
+follow the unconditional prediction, which a guided denoiser keeps for them (guidance.py, `uncond_source`).
+How each one serves rectified-flow models (FLUX, SD3) is in flow.py.
 """
 
 import math

@@ -3,7 +3,7 @@ SamplerCustomAdvanced (the masked-out latent comes back as it went in), VAEEncod
 InpaintModelConditioning against ComfyUI's pixel and mask handling written down by hand (bilinear mask to
 the image, centre crop to whole cells, grey 0.5 under the rounded mask, grow_mask_by's box), and the
 channels a 9-channel inpainting UNet receives (ComfyUI's concat_cond: rounded mask, then the masked image's
-latent in the model's space)."""
+latent in the model's space); and a latent taken from a batch sampled with the noise it had there."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from engine.sampling.inpaint import BLANK_INPAINT_LATENT
 from engine.sampling.model_sampling import EpsPrediction
 from nodes import custom_sampling as cs
 from nodes.inpaint import InpaintModelConditioning, VAEEncodeForInpaint
+from nodes.latent_ops import LatentFromBatch
 from nodes.sampling import KSampler, KSamplerAdvanced
 
 SCALE = 0.18215
@@ -306,3 +307,19 @@ def test_an_unknown_extra_channel_count_is_refused_clearly():
         KSampler().run(ctx(), model, 1, 2, 5.0, "euler", "normal", prompt(0.5), prompt(-0.5),
                        {"samples": torch.zeros(1, 4, 8, 8)}, 1.0)
 
+
+
+def test_samplers_give_a_latent_from_a_batch_the_noise_it_had_in_the_batch(plain_model):
+    """LatentFromBatch's batch_index, as ComfyUI's prepare_noise with noise_inds: KSampler, SamplerCustom."""
+    batch = {"samples": torch.zeros(3, 4, 8, 8)}
+    (whole,) = KSampler().run(ctx(), plain_model, 4, 2, 5.0, "euler", "normal", prompt(0.5), prompt(-0.5),
+                              batch, 1.0)
+    (third,) = LatentFromBatch().run(ctx(), batch, 2, 1)
+    (alone,) = KSampler().run(ctx(), plain_model, 4, 2, 5.0, "euler", "normal", prompt(0.5), prompt(-0.5),
+                              third, 1.0)
+    assert torch.allclose(alone["samples"], whole["samples"][2:], rtol=1e-4, atol=1e-3)
+    (sigmas,) = cs.BasicScheduler().run(None, plain_model, "normal", 2, 1.0)
+    out, _ = cs.SamplerCustom().run(ctx(), plain_model, True, 4, 5.0, prompt(0.5), prompt(-0.5),
+                                    cs.KSamplerSelect().run(None, "euler")[0], sigmas, third)
+    assert torch.allclose(out["samples"], whole["samples"][2:], rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(whole["samples"][1:2], whole["samples"][2:], rtol=1e-2)

@@ -207,3 +207,17 @@ def test_dpmpp_2m_sde_run_is_comfyui_loop_with_torchsde_noise():
             h_last = h
         old_denoised = denoised
     assert torch.allclose(ours, x, atol=1e-4), (ours - x).abs().max()
+
+
+def test_batch_index_noise_is_comfyui_prepare_noise_with_noise_inds():
+    """ComfyUI draws max(batch_index) + 1 single-item noises from the seed and gives item k the
+    batch_index[k]-th: a latent taken out of a batch keeps the noise it had there."""
+    latent = torch.zeros(3, 4, 2, 2)
+    generator = torch.Generator().manual_seed(9)
+    draws = [torch.randn(1, 4, 2, 2, generator=generator) for _ in range(3)]
+    assert torch.equal(prepare_noise(latent, 9, [2, 0, 2]), torch.cat([draws[2], draws[0], draws[2]]))
+    whole = prepare_noise(torch.zeros(3, 4, 2, 2), 9)
+    assert torch.equal(prepare_noise(torch.zeros(1, 4, 2, 2), 9, [1]), whole[1:2])  # its noise in the batch
+    assert not torch.equal(prepare_noise(torch.zeros(1, 4, 2, 2), 9), whole[1:2])
+    with pytest.raises(ValueError, match="batch_index must give a non-negative index per latent item"):
+        prepare_noise(latent, 9, [0, 1])
