@@ -17,7 +17,7 @@ from engine.sampling.inpaint import (
     latent_noise_mask,
     resize_to_batch,
 )
-from engine.sampling.model_sampling import Denoiser, EpsPrediction
+from engine.sampling.model_sampling import Denoiser, EpsPrediction, FluxFlowMatching
 from engine.sampling.noise import prepare_noise
 from engine.sampling.sample import ksampler_sigmas, sample
 
@@ -188,3 +188,21 @@ def test_cfg_pp_sees_the_unblended_unconditional_prediction_through_the_mask():
     out = wrapped(torch.ones(1, 4, 2, 2), torch.tensor(1.0))
     assert torch.equal(out, latent)  # all kept
     assert wrapped.last_uncond_denoised.abs().max() > 0.1 and model.keep_uncond
+
+
+@pytest.mark.parametrize("name", ["euler", "euler_ancestral", "dpmpp_2m_sde", "seeds_2", "uni_pc"])
+def test_flow_models_keep_the_masked_out_latent_too(name):
+    """On a flow model the blend noises the latent as (1 - sigma) latent + sigma noise (the model sampling's
+    noise_scaling, as ComfyUI's CONST); samplers stepping in VE coordinates see the blended model too."""
+
+    def flow_unet(x_in, timesteps, context, y=None):  # a velocity
+        return 0.5 * x_in + 0.1 * x_in.mean(dim=(2, 3), keepdim=True) + context.mean()
+
+    model = Denoiser(flow_unet, FluxFlowMatching(1.15))
+    latent = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    mask = hole_mask()
+    keep = latent_noise_mask(mask, latent.shape) == 0
+    out = sample(model, latent, POSITIVE, NEGATIVE, 3.0, name, "simple", 5, seed=7, denoise_mask=mask,
+                 family="flux")
+    assert (out - latent)[keep].abs().max() < MASKED_OUT_TOLERANCE.get(name, 1e-5)
+    assert (out - latent)[~keep].abs().max() > 0.1
