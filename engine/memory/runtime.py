@@ -50,7 +50,7 @@ from engine.memory.layer_split import (
     plan_layer_split,
     split_capacity,
 )
-from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, live_free_memory, resolve_budget
+from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, resolve_budget
 from engine.memory.row_split import block_linears, shard_transformer_linears
 from engine.memory.segments import SegmentPlan, SegmentRunner, StageProfile
 from engine.memory.weight_store import HOMES, Source, WeightStore
@@ -166,6 +166,7 @@ class MemoryRuntime:
         self._modules: dict[str, _Module] = {}
         self._backend_choices: dict[tuple, bool] = {}  # flash attention and direct convolution choices
         self._split_modes: dict[str, str] = {}  # module -> split mode of its last resolved placement
+        self._last_run_on: dict[str, str] = {}  # device name -> the module that ran there last
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- configuration
@@ -249,10 +250,7 @@ class MemoryRuntime:
             device = self.device(device_name)
             if device.name not in self.ledgers:
                 gib = max_vram_for(device, self.settings.max_vram, self.devices)
-                free = live_free_memory(device)
-                self.ledgers[device.name] = DeviceLedger(
-                    device.name, resolve_budget(gib, device, free), free_memory_fn=free, bus=self.bus
-                )
+                self.ledgers[device.name] = DeviceLedger.for_device(device, gib, bus=self.bus)
                 self._own_ledgers.add(device.name)
             return self.ledgers[device.name]
 
@@ -457,6 +455,7 @@ class MemoryRuntime:
         return state
 
     def _run_part(self, module: _Module, part: _Part, stages: Sequence[Stage], state: State) -> State:
+        self._trim_cache_between_modules(module, part)
         self._make_room(module, part, stages)
         with _current(part.device):
             try:
@@ -467,6 +466,19 @@ class MemoryRuntime:
                 state = part.runner.run(stages, state, module.name)
         self._log_summary(module, part)
         return state
+
+    def _trim_cache_between_modules(self, module: _Module, part: _Part) -> None:
+        """Under a CUDA budget, hand torch's cached free blocks back to the driver when another module starts
+        on the device (text encoders, then the diffusion model, then the VAE): the blocks one phase freed
+        would otherwise stay reserved beside the next phase's, and what nvidia-smi shows (reserved) grew to
+        2.7x a 1 GiB budget for SDXL (bench/e2e.py, session 16). A few milliseconds per phase."""
+        device = part.device
+        if device.torch_device.type != "cuda" or part.store.ledger(device.name).budget_bytes is None:
+            return
+        if self._last_run_on.get(device.name) not in (None, module.name):
+            torch.cuda.synchronize(device.torch_device)
+            torch.cuda.empty_cache()
+        self._last_run_on[device.name] = module.name
 
     def _flash_attention(self, module: _Module, model: nn.Module) -> bool:
         """--flash-attn for the module's kind (auto: probed once per device, attention_probe.py); a module on
