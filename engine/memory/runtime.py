@@ -473,7 +473,7 @@ class MemoryRuntime:
         would otherwise stay reserved beside the next phase's, and what nvidia-smi shows (reserved) grew to
         2.7x a 1 GiB budget for SDXL (bench/e2e.py, session 16). A few milliseconds per phase."""
         device = part.device
-        if device.torch_device.type != "cuda" or part.store.ledger(device.name).budget_bytes is None:
+        if device.torch_device.type != "cuda" or part.runner.ledger.budget_bytes is None:
             return
         if self._last_run_on.get(device.name) not in (None, module.name):
             torch.cuda.synchronize(device.torch_device)
