@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +145,25 @@ class ModuleMemory:
     def release(self) -> int:
         """Drop the device copies of every model of the bundle (end of its phase)."""
         return sum(self.runtime.release(name) for name in self.names)
+
+    @contextlib.contextmanager
+    def holding(self, key: str, nbytes: int) -> Iterator[None]:
+        """Track `nbytes` that a caller keeps on the compute device for the duration of the block (a
+        sampler's latents, CFG batches and conditioning), as a workspace of the first model's module, so
+        that the model's segment plans leave room for it. Other modules' idle copies go first if needed."""
+        ledger = self.runtime.ledger(self.compute)
+        name = self.names[0]
+        try:
+            ledger.allocate(name, "workspace", key, nbytes)
+        except BudgetExceeded:
+            module = self.runtime._module(name)
+            self.runtime._release_others(module, module.parts[0])
+            module.store.evict_until_fits(nbytes, module.device.torch_device)
+            ledger.allocate(name, "workspace", key, nbytes)
+        try:
+            yield
+        finally:
+            ledger.release(name, "workspace", key)
 
 
 class MemoryRuntime:

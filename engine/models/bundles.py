@@ -11,9 +11,10 @@ Conventions are ComfyUI's, so that ComfyUI-style nodes compose:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ ConditioningList = list[list[Any]]  # [[context, {"pooled_output": ..., ...}], .
 
 TEXT_FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner")
 EMBEDDING_KEYS = {"clip_l": ("clip_l",), "openclip_g": ("clip_g",), "openclip_h": ("clip_h",)}
+SAMPLER_STATE_LATENTS = 16  # float32 latent-sized tensors a sampler and its CFG batch keep on the device
 REFINER_AESTHETIC_SCORE = 6.0  # sgm's default for the refiner's positive prompt
 
 
@@ -131,6 +133,21 @@ class DiffusionModel:
     def denoiser(self) -> Denoiser:
         """The k-diffusion denoiser (x, sigma) -> x0 that the samplers call."""
         return Denoiser(self.apply, self.model_sampling)
+
+    @contextlib.contextmanager
+    def holding_sampler_state(self, samples: torch.Tensor, *conditionings: Any) -> Iterator[None]:
+        """Track the sampler's own device tensors in the memory runtime while it samples `samples`: its
+        latents (SAMPLER_STATE_LATENTS float32 copies of them: x, denoised, noise, derivatives, a multistep
+        sampler's history, the CFG batch in and out) and each conditioning twice (as given and batched for
+        CFG). Untracked, they took SDXL 2 to 4 MiB over its budget (bench/e2e.py, session 16)."""
+        if self.memory is None or not self.memory.holds(0, self.unet):
+            yield
+            return
+        text = sum(t.numel() * t.element_size() for c in conditionings if isinstance(c, list)
+                   for entry in c for t in (entry[0], *entry[1].values()) if isinstance(t, torch.Tensor))
+        nbytes = SAMPLER_STATE_LATENTS * samples.numel() * 4 + 2 * samples.shape[0] * text
+        with self.memory.holding("sampler state", nbytes):
+            yield
 
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
                               ) -> guidance.Conditioning:

@@ -1,5 +1,6 @@
 """A whole generation through the node graph (loader, two prompts, KSampler, VAE decode, save) under a
-`--max-vram` budget: no tracked allocation of any module ever takes the device's ledger over the budget."""
+`--max-vram` budget: no tracked allocation of any module, nor the sampler's own tensors, ever takes the
+device's ledger over the budget."""
 
 import argparse
 import sys
@@ -71,5 +72,7 @@ def test_a_whole_generation_under_a_budget_never_tracks_more_than_the_budget(tmp
     modules = {e["module"] for e in events.of_kind("ledger") if e["device"] == "cpu"}
     assert {"te", "diffusion", "vae"} <= modules  # every model of the job ran under this ledger
     assert max(tracked) <= budget and ledger.peak_tracked <= budget
+    held = [e for e in events.of_kind("ledger") if e["key"] == "sampler state"]
+    assert [e["delta"] > 0 for e in held] == [True, False]  # the sampler's own tensors, held while it ran
     unet_plans = [p for p in events.of_kind("plan") if p["module"] == "diffusion"]
     assert unet_plans and not unet_plans[-1]["whole"]  # the budget really bit
