@@ -520,17 +520,20 @@ def command_plan(args: argparse.Namespace) -> int:
     registry = _registry(settings)
     workflow = _load_workflow(args.workflow, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
+    problems: list[str] = []
     try:
         runtime = configure_memory(args, workflow)
-        plan = workflow_plan(workflow, settings, runtime)
+        plan = workflow_plan(workflow, settings, runtime, problems)
     except MemorySettingsError as error:
         print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
-    if not plan.choices:
-        print("no model loaders with readable files in this workflow")
-        return EXIT_OK
-    print(plan.format())
-    return EXIT_OK
+    if plan.choices:
+        print(plan.format())
+    elif not problems:
+        print("no model loaders in this workflow")
+    for problem in problems:  # a missing, corrupt or refused model file: the run would fail on it
+        print(f"sluice: cannot plan {problem}", file=sys.stderr)
+    return EXIT_FAILED if problems else EXIT_OK
 
 
 def command_gui(args: argparse.Namespace) -> int:

@@ -132,9 +132,10 @@ def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any],
 
 
 def workflow_plan(workflow: Any, settings: Settings | None, runtime: MemoryRuntime | None = None,
-                  ) -> AutoFitPlan:
+                  problems: list[str] | None = None) -> AutoFitPlan:
     """The auto-fit plan of every loader node of `workflow`, from file headers alone (nothing is loaded).
-    A loader whose file cannot be read is left out (running it reports the problem)."""
+    A loader whose file cannot be read is left out; what was wrong with it is appended to `problems`
+    ("node 4 (CheckpointLoaderSimple): ..."), when given."""
     runtime = runtime or get_runtime()
     needs = []
     for node_id, node in workflow.nodes.items():
@@ -144,8 +145,9 @@ def workflow_plan(workflow: Any, settings: Settings | None, runtime: MemoryRunti
         widgets = {**node_type.default_widget_values(), **node.widgets}
         try:
             needs += node_needs(node_id, node_type, widgets, settings, _memory_of(workflow), runtime)
-        except (CheckpointError, SettingsError, OSError, ValueError):
-            continue
+        except (CheckpointError, SettingsError, OSError, ValueError) as error:
+            if problems is not None:
+                problems.append(f"node {node_id} ({node.type}): {error}")
     gpu_room, ram_room = planning_room(runtime.devices, runtime.settings)
     return plan_placements(needs, gpu_room, ram_room)
 
