@@ -195,6 +195,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
+    from engine.graph.job_guard import FORCE_KEY
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -203,6 +204,8 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     registry = _registry(settings)
     workflow = _load_workflow(path, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
+    if getattr(args, "force", False):
+        workflow.settings[FORCE_KEY] = True
     errors = validate(workflow, registry.get)
     if errors:
         for error in errors:
@@ -423,6 +426,8 @@ def _add_run_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument("--quiet", action="store_true", default=flag_default, help="no progress lines")
     parser.add_argument("--traceback", action="store_true", default=flag_default,
                         help="print the full traceback of a failed node")
+    parser.add_argument("--force", action="store_true", default=flag_default,
+                        help="run a job whose estimated RAM is over what is available (a huge size or batch)")
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -531,9 +536,25 @@ def command_plan(args: argparse.Namespace) -> int:
         print(plan.format())
     elif not problems:
         print("no model loaders in this workflow")
+    print(job_memory_line(workflow))
     for problem in problems:  # a missing, corrupt or refused model file: the run would fail on it
         print(f"sluice: cannot plan {problem}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def job_memory_line(workflow: Any) -> str:
+    """`sluice plan`'s line on the job's own RAM estimate (engine/graph/job_guard.py)."""
+    import psutil
+
+    from engine.graph.job_guard import GIB, estimated_peak_bytes, largest_image
+
+    width, height, batch, scale = largest_image(workflow)
+    if not width:
+        return "job: no image size in the workflow's widgets"
+    needed, available = estimated_peak_bytes(workflow), psutil.virtual_memory().available
+    return (f"job: largest image {width}x{height} x {batch}" + (f" scaled by {scale:g}" if scale > 1 else "")
+            + f", about {needed / GIB:.2f} GiB of RAM at its peak ({available / GIB:.1f} GiB available"
+            + (", over: `sluice run` refuses it without --force)" if needed > available else ")"))
 
 
 def command_gui(args: argparse.Namespace) -> int:

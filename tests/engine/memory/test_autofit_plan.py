@@ -132,6 +132,7 @@ def test_sluice_plan_prints_every_component_without_loading(models_workflow, cap
     out = capsys.readouterr().out
     assert "1/diffusion" in out and "1/vae" in out
     assert [line.split()[2] for line in out.splitlines() if line.startswith("1/te")] == ["disk"]
+    assert out.splitlines()[-1] == "job: no image size in the workflow's widgets"
     from engine.memory.runtime import get_runtime
 
     assert get_runtime().modules() == []  # nothing was loaded
