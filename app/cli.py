@@ -39,7 +39,16 @@ class CommandError(Exception):
 # -- shared steps --
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(models_root=args.models, output_dir=args.output, plugins_dir=args.plugins)
+    settings = load_settings(models_root=args.models, output_dir=args.output, plugins_dir=args.plugins)
+    named = args.models or os.environ.get("SLUICE_MODELS")  # the default folder need not exist yet
+    source = "--models" if args.models else "SLUICE_MODELS"
+    if named and settings.models_root.exists() and not settings.models_root.is_dir():
+        raise CommandError(f"{source}: {settings.models_root} is not a folder; accepted: a folder of models "
+                           f"(checkpoints/, loras/, vae/, ...)")
+    if named and not settings.models_root.exists():
+        print(f"sluice: warning: {source}: models folder {settings.models_root} does not exist; only the "
+              f"embedded model will be found", file=sys.stderr)
+    return settings
 
 
 def _registry(settings: Settings) -> NodeRegistry:
