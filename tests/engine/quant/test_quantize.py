@@ -27,6 +27,8 @@ def awkward_rows(seed: int) -> torch.Tensor:
     rows[1, :32] = torch.linspace(-1, 1, 32)  # +-1 tie: the first of equal magnitudes wins
     rows[1, 32:64] = torch.arange(32) - 15.5  # halves after scaling
     rows[2, :32] = torch.arange(-16, 16) * (127 / 16)
+    rows[2, 32:64] = torch.arange(-15.5, 16.5)  # with 127 below: Q8_0's scale is 1, every value a midpoint
+    rows[2, 63] = 127
     return rows
 
 
