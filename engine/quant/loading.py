@@ -10,7 +10,8 @@ otherwise. Through it
 - a float weight that `types` (`--type`, `--tensor-type-rules`, or the auto-fit ladder) gives a quantised
   type is moved to the compute device and quantised there as it is read;
 - any other tensor the file stores quantised (a norm, an embedding, a weight no layer of ours rests
-  quantised) reads dequantised to float32, and the loader casts it to its parameter's dtype as usual.
+  quantised) reads dequantised to float32 (the reader's `get`), and the loader casts it to its parameter's
+  dtype as usual.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.formats import CheckpointReader, TensorInfo, open_checkpoint
-from engine.quant.dequant import dequantize
 from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules, weight_shape
 from engine.quant.types import GGML_TYPES, QUANTIZED
 
@@ -60,22 +60,16 @@ class QuantisedReader(CheckpointReader):
     def get(self, key: str, device: str | torch.device | None = None) -> torch.Tensor:
         """The tensor in its stored form, on `device` (None: where it was made: the CPU for what the file
         holds, the compute device for a weight quantised on load)."""
-        info = self.info(key)
         spec = self.specs.get(key)
         if spec is None:
-            tensor = self._float(key, info)
-        elif info.type_name == spec.qtype:
-            tensor = self.inner.raw(key).reshape(spec.raw_shape)
+            tensor = self.inner.get(key)  # a quantised tensor comes dequantised to float32
+        elif self.info(key).type_name == spec.qtype:
+            tensor = self.inner.get_raw(key).reshape(spec.raw_shape)
         else:
             from engine.quant.quantize import quantize
 
-            tensor = quantize(self._float(key, info).to(self.device), spec.qtype).reshape(spec.raw_shape)
+            tensor = quantize(self.inner.get(key).to(self.device), spec.qtype).reshape(spec.raw_shape)
         return tensor if device is None else tensor.to(device)
-
-    def _float(self, key: str, info: TensorInfo) -> torch.Tensor:
-        if info.type_name in QUANTIZED:
-            return dequantize(self.inner.raw(key), info.type_name, info.shape)
-        return self.inner.get(key)
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
         return self.get(key)
