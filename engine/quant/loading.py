@@ -16,6 +16,7 @@ otherwise. Through it
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,12 +38,16 @@ class WeightTypes:
     default: str | None = None  # e.g. "q8_0"; None: the file's own types (rules may still name some)
     rules: str = ""  # "regex=type,regex=type" in stable-diffusion.cpp's syntax
 
+    @functools.cached_property
+    def _target(self) -> Callable[[str, tuple[int, ...]], str | None]:
+        from engine.quant.quantize import tensor_type_rules
+
+        return tensor_type_rules(self.default, self.rules)
+
     def type_for(self, key: str, shape: tuple[int, ...]) -> str | None:
         """The GGML type (upper case) the tensor `key` of logical `shape` should rest in, or None to keep it
-        as the file has it."""
-        from engine.quant.quantize import tensor_type
-
-        return tensor_type(key, shape, self.default, self.rules)
+        as the file has it (stable-diffusion.cpp's eligibility rules: engine.quant.quantize)."""
+        return self._target(key, shape)
 
 
 class QuantisedReader(CheckpointReader):
