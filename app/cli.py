@@ -1,5 +1,5 @@
 """The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes, devices,
-plan).
+plan, inspect, convert).
 
 Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
 This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
@@ -533,6 +533,60 @@ def command_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_convert_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "convert", parents=[common], help="convert a model file to GGUF, quantising it (--type)",
+        description="Convert a safetensors, .ckpt/.pt or GGUF file to a GGUF file that stable-diffusion.cpp "
+                    "and ComfyUI-GGUF load. Biases, norms, embeddings, 1-D tensors and rows that are not "
+                    "whole blocks keep their stored type, as stable-diffusion.cpp does.")
+    parser.add_argument("input", help="the model file to convert")
+    parser.add_argument("output", help="the .gguf file to write")
+    parser.add_argument("--type", dest="type_name", metavar="TYPE",
+                        help="type of the converted weights: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1 "
+                             "(default: every tensor keeps its stored type)")
+    parser.add_argument("--tensor-type-rules", dest="rules", default="", metavar="REGEX=TYPE,...",
+                        help="per-tensor types: the first regex found in a tensor's name gives its type "
+                             "(e.g. 'attn=q8_0,mlp=q4_0')")
+    parser.add_argument("--device", default="auto", help="where to quantise (default: the first GPU)")
+    parser.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress line")
+    parser.set_defaults(handler=command_convert)
+
+
+def command_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.devices import DeviceError, resolve_device
+    from engine.models.formats import CheckpointError
+    from engine.quant.convert import convert_checkpoint
+    from engine.quant.quantize import tensor_type_rules
+
+    try:
+        tensor_type_rules(args.type_name, args.rules)
+        device = resolve_device(args.device).torch_device
+    except (ValueError, DeviceError) as error:
+        raise CommandError(str(error)) from None
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise CommandError(f"convert would overwrite its input {args.input}; give another output file")
+    started = time.perf_counter()
+
+    def progress(index: int, total: int, conversion: Any) -> None:
+        if not args.quiet:
+            print(f"\r[{index + 1}/{total}] {conversion.plan.name[:70]:<70}", end="", file=sys.stderr)
+
+    try:
+        summary = convert_checkpoint(args.input, args.output, args.type_name, args.rules, device, progress)
+    except (OSError, CheckpointError, ValueError) as error:
+        print(f"\nsluice: cannot convert {args.input}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    if not args.quiet:
+        print(file=sys.stderr)
+    counts = ", ".join(f"{name} {count}" for name, count in sorted(summary.type_counts().items()))
+    size = Path(args.output).stat().st_size
+    print(f"wrote {args.output}: {len(summary.tensors)} tensors ({counts}), {size / 2**30:.2f} GiB, "
+          f"architecture {summary.architecture or 'not detected'}, {time.perf_counter() - started:.1f} s")
+    return EXIT_OK
+
+
 def command_gui(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
@@ -578,6 +632,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_parser(subparsers, common)
     _add_devices_parser(subparsers, common)
     _add_plan_parser(subparsers, common)
+    _add_convert_parser(subparsers, common)
     return parser
 
 

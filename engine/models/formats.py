@@ -138,8 +138,8 @@ class CheckpointReader(ABC):
         self.close()
 
     def _unsupported_type_message(self, key: str, type_name: str) -> str:
-        return (f"tensor {key} is quantised (GGML type {type_name}) and has no torch dtype; read its bytes with "
-                f"get_raw, or get it dequantised (file {self.path})")
+        return (f"tensor {key} is quantised (GGML type {type_name}) and has no torch dtype; read its bytes "
+                f"with get_raw, or get it dequantised (file {self.path})")
 
     @abstractmethod
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor: ...

@@ -8,20 +8,25 @@ or 8.5 / 16.5 (Q4_0, Q5_0) and truncate, then clamp.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import torch
 
-from engine.quant.types import ggml_type
+from engine.quant.types import GGML_TYPES, UnsupportedQuantTypeError, ggml_type
 
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1")
 
 
 def quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
     """`x` (any floating dtype and shape whose last dim is whole `qtype` blocks) as GGML `qtype` bytes:
-    uint8 (rows, row_bytes), rows being the product of x's leading dims, on x's device."""
+    uint8 (rows, row_bytes), rows being the product of x's leading dims (1 for a scalar), on x's device."""
     t = ggml_type(qtype, accepted=QUANTIZABLE)
     if not x.is_floating_point():
         raise TypeError(f"quantize takes a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0 or x.shape[-1] % t.block_size:
+    if x.dim() == 0:
+        x = x.reshape(1)
+    if x.shape[-1] % t.block_size:
         raise ValueError(f"cannot quantise a tensor of shape {tuple(x.shape)} to {t.name}: its last dim "
                          f"must be a multiple of {t.block_size}")
     values = x.reshape(-1, x.shape[-1]).to(torch.float32)
@@ -121,3 +126,65 @@ QUANTIZERS = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
 }
+
+
+# ---------------------------------------------------------------- which tensors to quantise (--type, rules)
+
+# stable-diffusion.cpp's ModelLoader::tensor_should_be_converted: tensors never converted, by name
+KEEP_SUFFIXES = (".bias", ".scale", ".weight_scale")
+KEEP_SUBSTRINGS = (
+    "img_in.", "txt_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.",  # FLUX
+    "x_embedder.", "t_embedder.", "y_embedder.", "pos_embed", "context_embedder.",  # MMDiT (SD3)
+    "time_embed.", "label_emb.",  # UNet
+    "embedding",
+)
+
+
+def tensor_type_rules(type_name: str | None = None, rules: str = "") -> Callable[[str, tuple[int, ...]],
+                                                                               str | None]:
+    """stable-diffusion.cpp's `--type T` and `--tensor-type-rules "regex=type,..."` as a function of a
+    tensor's key and torch shape giving the GGML type to convert it to, or None to keep it as stored.
+
+    The first rule whose regex matches anywhere in the key (re.search, as sd.cpp's std::regex_search) gives
+    the type, else `type_name`. Kept whatever the rules say, as in sd.cpp: rows that are not whole blocks of
+    the type; keys ending in .bias, .scale, .weight_scale; FLUX's img_in./txt_in./time_in./vector_in./
+    guidance_in./final_layer., MMDiT's x_/t_/y_embedder., pos_embed, context_embedder., the UNet's
+    time_embed. and label_emb., and any key containing "embedding". Also kept (ComfyUI-GGUF's rule, not
+    sd.cpp's): tensors of fewer than 2 dims, which are the norms' weights and scalars.
+    Types are spelled as ggml does (q8_0, q4_K, f16, bf16, f32), in any case."""
+    default = _writable_type(type_name, "--type") if type_name is not None else None
+    parsed = _parse_rules(rules)
+
+    def target(key: str, shape: tuple[int, ...]) -> str | None:
+        chosen = next((rule_type for pattern, rule_type in parsed if pattern.search(key)), default)
+        if chosen is None or len(shape) < 2 or shape[-1] % GGML_TYPES[chosen].block_size:
+            return None
+        if key.endswith(KEEP_SUFFIXES) or any(part in key for part in KEEP_SUBSTRINGS):
+            return None
+        return chosen
+
+    return target
+
+
+def _writable_type(name: str, where: str) -> str:
+    try:
+        return ggml_type(name, accepted=QUANTIZABLE).name
+    except UnsupportedQuantTypeError as exc:
+        raise UnsupportedQuantTypeError(f"{where}: {exc}") from None
+
+
+def _parse_rules(rules: str) -> list[tuple[re.Pattern[str], str]]:
+    parsed = []
+    for item in rules.split(","):
+        if not item:
+            continue
+        pattern, equals, name = item.rpartition("=")
+        if not equals or not pattern:
+            raise ValueError(f"--tensor-type-rules item {item!r} is not REGEX=TYPE "
+                             f"(e.g. '^vae\\.=f16,attn=q8_0')")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"--tensor-type-rules item {item!r}: bad regex ({exc})") from None
+        parsed.append((compiled, _writable_type(name, f"--tensor-type-rules item {item!r}")))
+    return parsed
