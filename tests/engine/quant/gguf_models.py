@@ -8,7 +8,8 @@ plain encoder below (gguf-py quantises no K type), and the copy is `gguf.quants.
 bytes. Which tensors quantise follows ComfyUI-GGUF's converter (tools/convert.py) and the quantiser after it:
 1-D tensors and tensors of at most 1024 elements stay F32; for the UNet architectures (sd1, sdxl) a tensor
 whose last dimension is not whole 256-element rows (but whose size is) is stored as rows of 256 with its shape
-in `comfy.gguf.orig_shape.<name>`; a tensor whose stored rows are whole blocks takes the type, any other F16.
+in `comfy.gguf.orig_shape.<name>`; a tensor whose stored rows are whole blocks takes the type, any other F16
+(or the `fallback` type given).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def quantise(x: np.ndarray, qtype: str) -> np.ndarray:
     return gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
 
 
-def stored_form(tensor: torch.Tensor, qtype: str, arch: str) -> tuple[np.ndarray, str, tuple | None]:
+def stored_form(tensor: torch.Tensor, qtype: str, arch: str, fallback: str = "F16",
+                ) -> tuple[np.ndarray, str, tuple | None]:
     """(stored array, its GGML type, original shape when reshaped) of a tensor (see the module docstring)."""
     data = tensor.float().numpy()
     numel = data.size
@@ -81,19 +83,20 @@ def stored_form(tensor: torch.Tensor, qtype: str, arch: str) -> tuple[np.ndarray
         original, data = data.shape, data.reshape(numel // 256, 256)
     rows = data.reshape(-1, data.shape[-1])
     if data.shape[-1] % gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]:
-        return data.astype(np.float16), "F16", original
+        return data.astype(np.float16 if fallback == "F16" else np.float32), fallback, original
     return quantise(rows, qtype).reshape(*data.shape[:-1], -1), qtype, original
 
 
-def write_quantised_gguf(path: Path, state: dict[str, torch.Tensor], qtype: str, arch: str,
-                         ) -> dict[str, torch.Tensor]:
-    """Write `state` as a ComfyUI-GGUF file of architecture `arch` whose matrices are `qtype`; returns the
-    float32 tensors the file holds (gguf's own dequantisation), in their original shapes."""
-    writer = gguf.GGUFWriter(str(path), arch=arch)
+def write_quantised_gguf(path: Path, state: dict[str, torch.Tensor], qtype: str, arch: str | None,
+                         fallback: str = "F16") -> dict[str, torch.Tensor]:
+    """Write `state` as a ComfyUI-GGUF file of architecture `arch` whose matrices are `qtype` (None: no
+    general.architecture, as stable-diffusion.cpp writes); returns the float32 tensors the file holds (gguf's
+    own dequantisation), in their original shapes."""
+    writer = gguf.GGUFWriter(str(path), arch=arch or "")  # an empty architecture is not written
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     copy = {}
     for key, tensor in state.items():
-        data, stored, original = stored_form(tensor, qtype, arch)
+        data, stored, original = stored_form(tensor, qtype, arch, fallback)
         kind = gguf.GGMLQuantizationType[stored]
         if original is not None:
             writer.add_array(f"comfy.gguf.orig_shape.{key}", [int(d) for d in original])
