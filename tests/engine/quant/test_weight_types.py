@@ -150,3 +150,25 @@ def test_sluice_plan_prints_the_type_of_each_module_and_why(plan_workflow, capsy
     rows = plan_rows(capsys)
     assert rows["1/diffusion"][3] == "Q4_0" and rows["1/diffusion"][5].startswith("--type q4_0;")
     assert float(rows["1/diffusion"][4]) < float(rows["1/vae"][4]) * 100
+
+
+def test_sluice_runs_type_flag_reaches_the_loader_nodes(plan_workflow, checkpoint):
+    """`sluice run --type q5_0` (the runtime's CLI overrides) quantises what CheckpointLoaderSimple loads."""
+    from engine import telemetry
+    from engine.graph.executor import Executor
+    from engine.memory.runtime import get_runtime
+    from engine.settings import Settings
+    from nodes.registry import default_registry
+    from tests.nodes.capture_node import Capture
+
+    settings = Settings(plan_workflow / "models", plan_workflow / "out", None)
+    get_runtime().overrides = {"weight_type": "q5_0"}
+    registry = default_registry(settings)
+    registry.register(Capture)
+    workflow = Workflow.load(plan_workflow / "workflow.json")
+    workflow.connect("1", 0, workflow.add_node("Capture").id, "value", "MODEL")
+    Capture.seen.clear()
+    result = Executor(registry.get, bus=telemetry.EventBus(), settings=settings).run(workflow)
+    assert result.status == "finished", result.failure or result.errors
+    (model,) = [v for v in Capture.seen.values() if v is not None]
+    assert {m.qtype for m in model.unet.modules() if isinstance(m, QUANT_LAYERS)} == {"Q5_0"}
