@@ -24,6 +24,7 @@ import torch
 
 from engine.models.formats import CheckpointReader, TensorInfo, open_checkpoint
 from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules, weight_shape
+from engine.quant.quantize import quantize, tensor_type_rules
 from engine.quant.types import GGML_TYPES, QUANTIZED
 
 KeyOf = Callable[[str], str | None]  # parameter name -> the file key it is read from (None: not one tensor)
@@ -40,8 +41,6 @@ class WeightTypes:
 
     @functools.cached_property
     def _target(self) -> Callable[[str, tuple[int, ...]], str | None]:
-        from engine.quant.quantize import tensor_type_rules
-
         return tensor_type_rules(self.default, self.rules)
 
     def type_for(self, key: str, shape: tuple[int, ...]) -> str | None:
@@ -71,8 +70,6 @@ class QuantisedReader(CheckpointReader):
         elif self.info(key).type_name == spec.qtype:
             tensor = self.inner.get_raw(key).reshape(spec.raw_shape)
         else:
-            from engine.quant.quantize import quantize
-
             tensor = quantize(self.inner.get(key).to(self.device), spec.qtype).reshape(spec.raw_shape)
         return tensor if device is None else tensor.to(device)
 
@@ -82,10 +79,6 @@ class QuantisedReader(CheckpointReader):
     def reopen(self) -> QuantisedReader:
         """The same view over a newly opened reader of the file (a disk home re-reads through its own)."""
         return QuantisedReader(reopen(self.inner), self.specs, self.device)
-
-    def quantised_bytes(self) -> int:
-        """Bytes of the weights that rest quantised, as they rest."""
-        return sum(spec.raw_shape[0] * spec.raw_shape[1] for spec in self.specs.values())
 
     def close(self) -> None:
         self.inner.close()
