@@ -142,7 +142,7 @@ def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
 MEMORY_FLAGS = ("backend", "params_backend", "split_mode", "max_vram", "flash_attn", "conv_direct",
                 "auto_fit", "vae_tiling", "cuda_graphs", "clip_on_cpu", "vae_on_cpu", "control_net_cpu",
                 "offload_to_cpu", "dit_offload", "text_encoder_offload", "vae_offload", "disable_prefetch",
-                "disable_segmented_compute")
+                "disable_segmented_compute", "weight_type", "tensor_type_rules")
 
 
 class MemorySettingsError(Exception):

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.utility",
     "nodes.loaders",
+    "nodes.gguf",
     "nodes.conditioning",
     "nodes.latent",
     "nodes.latent_ops",

@@ -519,7 +519,7 @@ class MemoryRuntime:
                         kinds: Collection[str], enabled: Callable[..., bool]) -> bool:
         """Whether `flag` (its `value`: per-kind on|off|auto) is on for the module on all of its devices;
         decided once per flag, kind, dtype and devices."""
-        dtype = next(model.parameters()).dtype
+        dtype = _compute_dtype(model)
         key = (flag, module.kind, value, dtype, module.devices)
         if key not in self._backend_choices:
             modes = parse_modes(value, flag, MODES, kinds)
@@ -618,6 +618,15 @@ def _current(device: ComputeDevice) -> contextlib.AbstractContextManager:
     if device.torch_device.type == "cuda":
         return torch.cuda.device(device.torch_device)
     return contextlib.nullcontext()
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: its `dtype` attribute where it has one, else its first floating-point
+    parameter's (a quantised layer's weight is uint8 bytes)."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _process_part(settings: MemorySettings) -> tuple:

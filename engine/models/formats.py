@@ -517,6 +517,12 @@ class GGUFCheckpointReader(CheckpointReader):
                              GGUF_TORCH_TYPES.get(t.ggml_type.name), t.nbytes)
             for name, t in header.tensors.items()
         }
+        from dataclasses import replace
+
+        from engine.models.gguf_layout import gguf_layout  # names and shapes of ComfyUI-GGUF and sd.cpp files
+
+        tensors, names = gguf_layout(header.fields.get("general.architecture"), tensors, path)
+        self.header = replace(header, tensors={key: header.tensors[name] for key, name in names.items()})
         metadata = {key: str(value) for key, value in header.fields.items() if not isinstance(value, list)}
         super().__init__(path, tensors, metadata)
 
