@@ -34,6 +34,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.preview",
     "nodes.lora",
     "nodes.flux",
+    "nodes.model_patches",
 )
 
 

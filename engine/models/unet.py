@@ -12,7 +12,9 @@ The state they share holds "h" (the activation), "emb" (timestep + vector embedd
 (cross-attention tokens) and "hs" (the skip list); within a block, until used, also "x_in" (a
 ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its (B, H*W, C) tokens),
 "ff_hidden" (a feed-forward's gated activations) and "upsample_size" (an upsampling output block's
-target size).
+target size). Output-block patches (ComfyUI's output_block_patch, e.g. FreeU), when given, are in
+"output_block_patches": each `patch(h, skip) -> (h, skip)` runs before an output block concatenates its
+skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from engine.models.detect import UNetConfig
 from engine.models.staged import Stage, StagedModel, State, run_stages
 
 StageRun = Callable[[State], State]
+OutputBlockPatch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, skip)
 
 # ---------------------------------------------------------------------------------------------- presets
 
@@ -369,14 +372,20 @@ class UNetModel(StagedModel):
                                  nn.Conv2d(mc, config.out_channels, 3, padding=1, **factory))
 
     def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                      y: torch.Tensor | None = None) -> State:
-        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm)."""
+                      y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                      ) -> State:
+        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm), and the
+        output-block patches."""
         if (y is None) != (self.label_emb is None):
             need = f"y of width {self.config.adm_in_channels}" if self.label_emb is not None else "no y"
             raise ValueError(f"UNet of family {self.config.family!r} takes {need}; "
                              f"got {'none' if y is None else tuple(y.shape)}")
-        return {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
-                "hs": []}
+        state = {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
+                 "hs": []}
+        if output_block_patches:
+            state["output_block_patches"] = tuple(output_block_patches)
+            state["patch_signature"] = repr(state["output_block_patches"])
+        return state
 
     def _build_stages(self) -> list[Stage]:
         embedders = (self.time_embed,) if self.label_emb is None else (self.time_embed, self.label_emb)
@@ -390,8 +399,9 @@ class UNetModel(StagedModel):
         return stages
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                y: torch.Tensor | None = None) -> torch.Tensor:
-        state = run_stages(self.stages(), self.initial_state(x, timesteps, context, y))
+                y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                ) -> torch.Tensor:
+        state = run_stages(self.stages(), self.initial_state(x, timesteps, context, y, output_block_patches))
         return state["h"].to(x.dtype)
 
     def _embed(self, state: State) -> State:
@@ -452,7 +462,10 @@ def _layer_stages(name: str, layer: nn.Module) -> list[Stage]:
 def _taking_skip(run: StageRun, keeps_upsample_size: bool) -> StageRun:
     def run_after_concatenating_skip(state: State) -> State:
         hs = state["hs"]
-        state["h"] = torch.cat([state["h"], hs.pop()], dim=1)  # (B, C + C_skip, H, W)
+        h, skip = state["h"], hs.pop()
+        for patch in state.get("output_block_patches", ()):
+            h, skip = patch(h, skip)
+        state["h"] = torch.cat([h, skip], dim=1)  # (B, C + C_skip, H, W)
         if keeps_upsample_size:
             # the size of the next skip, so an odd size survives upsampling
             state["upsample_size"] = tuple(hs[-1].shape[-2:]) if hs else None
