@@ -54,7 +54,7 @@ class T2IAdapterConfig:
         return 16 if self.kind == "full_xl" else 8
 
 
-def _average_pool(x: torch.Tensor) -> torch.Tensor:
+def average_pool(x: torch.Tensor) -> torch.Tensor:
     """2x2 average pooling that pads an odd side by one (counted as zero), as the TencentARC Downsample."""
     return F.avg_pool2d(x, 2, 2, padding=(x.shape[2] % 2, x.shape[3] % 2))
 
@@ -67,7 +67,7 @@ class Downsample(nn.Module):
         self.op = nn.Conv2d(channels, channels, 3, stride=2, padding=1, **factory) if conv else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _average_pool(x) if self.op is None else self.op(x)
+        return average_pool(x) if self.op is None else self.op(x)
 
 
 class ResnetBlock(nn.Module):
@@ -115,7 +115,7 @@ class Extractor(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.down:
-            x = _average_pool(x)
+            x = average_pool(x)
         return self.out_conv(self.body(self.in_conv(x)))
 
 
