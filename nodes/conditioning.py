@@ -11,6 +11,7 @@ import torch
 
 from engine.graph.spec import NodeType, Output, RunContext, float_input, int_input, link_input, string_input
 from engine.models.bundles import EmbeddingLookup, TextEncoder, require
+from engine.models.conditioning import check_conditioning
 from engine.models.loader import load_embedding
 from engine.settings import Settings
 from nodes.loaders import current_settings
@@ -82,12 +83,7 @@ class CLIPSetLastLayer(NodeType):
 
 def conditioning_entries(conditioning: Any) -> list[list[Any]]:
     """The [context, extras] pairs of a CONDITIONING, with a clear error for anything else."""
-    if not isinstance(conditioning, list) or not all(
-            isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], torch.Tensor)
-            and isinstance(entry[1], dict) for entry in conditioning):
-        raise ValueError(f"expected a CONDITIONING (a list of [context, {{...}}] pairs), got "
-                         f"{type(conditioning).__name__}")
-    return conditioning
+    return check_conditioning(conditioning)
 
 
 class ConditioningZeroOut(NodeType):

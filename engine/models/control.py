@@ -6,22 +6,27 @@
   a hint image, a strength, a step range (start and end percent of sampling) and the control it was chained
   onto (`previous`, the entry's earlier "control"). It stays unchanged while sampling; what it caches (the
   resized hint, an adapter's features) depends only on its inputs.
-- `Control.get_control(x, sigma, context, y, batched_number, model_sampling)` is ComfyUI's get_control for
-  one batched model call: the previous controls' residuals, then its own (None outside its step range),
-  scaled by the strength and summed entry by entry. The result is the UNet's `control` dict (lists under
-  "input", "middle", "output"; engine/models/unet.py says how the UNet adds them).
+- `Control.bound(model_sampling, unet)` is the control for one diffusion model (ComfyUI's pre_run), checked
+  against that UNet; the same object for every call, so that entries sharing a control batch together. Its
+  `get_control(x, sigma, inputs, chunks)` is what the sampler calls per batched model call
+  (engine/sampling/guidance.py's Control protocol).
+- `Control.residuals(...)` is ComfyUI's get_control: the previous controls' residuals, then its own (None
+  outside its step range), scaled by the strength and summed entry by entry. The result is the UNet's
+  `control` dict (lists under "input", "middle", "output"; engine/models/unet.py says how the UNet adds them).
 
 A ControlNet sees what the UNet sees: the sampler's x scaled by the model sampling's calculate_input, its
 timestep, the cross-attention context and (SDXL) the vector condition y; its hint is the image resized to
 8x the latent (nearest-exact, centre crop) and repeated to the batch (ComfyUI's broadcast_image_to). A
 T2I-Adapter sees only the hint (its size rounded up to the adapter's unshuffle factor, averaged to one
-channel for a one-channel adapter) and is run once per hint size. "Shuffle" ControlNets (file names ending
-in `_shuffle`) average each residual over its pixels (global_average_pooling).
+channel for a one-channel adapter) and is run once per hint size and batch. "Shuffle" ControlNets (file names
+ending in `_shuffle`) average each residual over its pixels (global_average_pooling).
 """
 
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ import torch
 from engine.memory.runtime import ModuleMemory, torch_device
 from engine.models.controlnet import ControlNetModel
 from engine.models.t2i_adapter import T2IAdapterModel
+from engine.models.unet import UNetEncoder
 from engine.resize import resize
 
 MEMORY_MODULE = "controlnet"
@@ -94,6 +100,24 @@ class Control:
     percent_range: tuple[float, float]  # (start, end): the fraction of sampling during which it acts
     previous: Control | None = None
     _cache: dict[tuple, Any] = field(default_factory=dict, repr=False)  # hint size -> resized hint / features
+    _bound: tuple[weakref.ref, BoundControl] | None = field(default=None, repr=False)  # (UNet, binding)
+
+    def bound(self, model_sampling: Any, unet: UNetEncoder) -> BoundControl:
+        """This control for the diffusion model of `model_sampling` and `unet` (the same object on every call
+        for that model); ValueError when a control of the chain does not fit that UNet."""
+        if self._bound is not None:
+            unet_ref, binding = self._bound
+            if unet_ref() is unet and binding.model_sampling is model_sampling:
+                return binding
+        for model in self.models():
+            check_fits(model, unet)
+        binding = BoundControl(self, model_sampling)
+        self._bound = (weakref.ref(unet), binding)
+        return binding
+
+    def get_control(self, x: torch.Tensor, sigma: torch.Tensor, inputs: Any, chunks: int) -> ControlDict:
+        raise ValueError("a ControlNet or T2I-Adapter applies to SD1.x, SD2.x and SDXL models only; this "
+                         "model's conditioning does not take its control")
 
     def models(self) -> list[ControlModel]:
         """The control models of this control and those it is chained onto, earliest first."""
@@ -108,8 +132,8 @@ class Control:
         value = torch.tensor(sigma, dtype=torch.float32)
         return not bool(value > high or value < low)
 
-    def get_control(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None,
-                    batched_number: int, model_sampling: Any) -> ControlDict | None:
+    def residuals(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor, y: torch.Tensor | None,
+                  batched_number: int, model_sampling: Any) -> ControlDict | None:
         """The UNet's control dict for one model call on x (B, C, h, w) at sigma (B,): this control's scaled
         residuals summed with the previous controls'; None when no control of the chain acts at sigma.
 
@@ -117,7 +141,7 @@ class Control:
         the batch holds (2 for positive and negative), which ComfyUI's hint broadcast divides by."""
         previous = None
         if self.previous is not None:
-            previous = self.previous.get_control(x, sigma, context, y, batched_number, model_sampling)
+            previous = self.previous.residuals(x, sigma, context, y, batched_number, model_sampling)
         if not self.active(float(sigma[0]), model_sampling):
             return previous
         if self.model.kind == "t2i_adapter":
@@ -159,16 +183,45 @@ class Control:
                 for kind, values in self._cache[key].items()}
 
 
+@dataclass(eq=False)
+class BoundControl:
+    """A control for one diffusion model: what the sampler's entries carry (guidance.Control)."""
+
+    control: Control
+    model_sampling: Any  # the diffusion model's (calculate_input, timestep, percent_to_sigma)
+
+    def get_control(self, x: torch.Tensor, sigma: torch.Tensor, inputs: Mapping[str, torch.Tensor | None],
+                    chunks: int) -> ControlDict | None:
+        """The UNet's control dict for one model call of `chunks` conditionings batched on x (B, C, h, w)."""
+        return self.control.residuals(x, sigma, inputs["context"], inputs.get("y"), chunks,
+                                      self.model_sampling)
+
+
+def check_fits(model: ControlModel, unet: UNetEncoder) -> None:
+    """ValueError unless the control model's residuals fit the UNet: a ControlNet's copy of the encoder must
+    have the UNet's widths, context width and vector condition; an adapter's levels the UNet's widths where
+    ComfyUI adds them."""
+    network, config = model.network, unet.config
+    if isinstance(network, ControlNetModel):
+        ours = network.config
+        if (network.skip_channels, ours.context_dim, ours.adm_in_channels) != (
+                unet.skip_channels, config.context_dim, config.adm_in_channels):
+            raise ValueError(f"this ControlNet ({ours.family}, block widths {list(network.skip_channels)}, "
+                             f"context {ours.context_dim}) does not fit the {config.family} model (block "
+                             f"widths {list(unet.skip_channels)}, context {config.context_dim}); use a "
+                             f"ControlNet made for the model's family")
+        return
+    widths = {**dict(enumerate(unet.skip_channels)), "middle": unet.channels}
+    placement = network.feature_blocks()
+    if any(widths.get(block) != channels for block, channels in placement):
+        raise ValueError(f"this {network.config.kind} T2I-Adapter (features {[c for _, c in placement]} at "
+                         f"UNet blocks {[b for b, _ in placement]}) does not fit the {config.family} model; "
+                         f"use an adapter made for the model's family")
+
+
 def percent_to_sigma(model_sampling: Any, percent: float) -> float:
-    """The sigma at `percent` of sampling, as ComfyUI's model sampling: a huge sigma at 0, 0 at 1, and for
-    discrete schedules the sigma of timestep (1 - percent) * 999 in between."""
-    if hasattr(model_sampling, "percent_to_sigma"):
-        return float(model_sampling.percent_to_sigma(percent))
-    if percent <= 0.0:
-        return 999999999.9
-    if percent >= 1.0:
-        return 0.0
-    return float(model_sampling.t_to_sigma(torch.tensor((1.0 - percent) * 999.0)))
+    """The sigma at `percent` of sampling (ComfyUI's percent_to_sigma of the model sampling)."""
+    return float(model_sampling.percent_to_sigma(percent))
 
 
 def broadcast_image_to(hint: torch.Tensor, batch: int, batched_number: int) -> torch.Tensor:

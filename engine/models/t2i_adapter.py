@@ -179,6 +179,13 @@ class T2IAdapterModel(StagedModel):
     def forward(self, hint: torch.Tensor) -> dict[str, list[torch.Tensor | None]]:
         return self.control_outputs(run_stages(self.stages(), self.initial_state(hint)))
 
+    def feature_blocks(self) -> list[tuple[int | str, int]]:
+        """(UNet input block index, or "middle"; width) of each level's features, as control_outputs places
+        them."""
+        if self.config.kind == "full_xl":
+            return list(zip((3, 5, 8, "middle"), self.config.channels, strict=True))
+        return list(zip((2, 5, 8, 11), self.config.channels, strict=True))
+
     def control_outputs(self, state: State) -> dict[str, list[torch.Tensor | None]]:
         """The features placed as ComfyUI places them: for SD1.x/SD2.x after the last ResBlock of each UNet
         level (input blocks 2, 5, 8, 11); for SDXL after input blocks 3, 5 and 8 and the middle block."""

@@ -12,7 +12,9 @@ The state they share holds "h" (the activation), "emb" (timestep + vector embedd
 (cross-attention tokens) and "hs" (the skip list); within a block, until used, also "x_in" (a
 ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its (B, H*W, C) tokens),
 "ff_hidden" (a feed-forward's gated activations) and "upsample_size" (an upsampling output block's
-target size).
+target size). Output-block patches (ComfyUI's output_block_patch, e.g. FreeU), when given, are in
+"output_block_patches": each `patch(h, skip) -> (h, skip)` runs before an output block concatenates its
+skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from engine.models.detect import UNetConfig
 from engine.models.staged import Stage, StagedModel, State, run_stages
 
 StageRun = Callable[[State], State]
+OutputBlockPatch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, skip)
 Control = Mapping[str, Sequence[torch.Tensor | None] | None]  # "input" / "middle" / "output" -> residuals
 CONTROL_KINDS = ("input", "middle", "output")
 log = logging.getLogger("sluice.unet")
@@ -420,14 +423,20 @@ class UNetModel(UNetEncoder):
                                  nn.Conv2d(mc, config.out_channels, 3, padding=1, **factory))
 
     def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                      y: torch.Tensor | None = None, control: Control | None = None) -> State:
-        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm) and the
-        control residuals (lists under "input", "middle", "output"; copied: the stages consume them)."""
+                      y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                      control: Control | None = None) -> State:
+        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm), the
+        output-block patches and the control residuals (lists under "input", "middle", "output", moved to
+        x's device; copied, as the stages consume them)."""
         self._check_y(y)
         state = {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
                  "hs": []}
+        if output_block_patches:
+            state["output_block_patches"] = tuple(output_block_patches)
+            state["patch_signature"] = repr(state["output_block_patches"])
         if control is not None:
-            state["control"] = {kind: list(control.get(kind) or ()) for kind in CONTROL_KINDS}
+            state["control"] = {kind: [None if r is None else r.to(x.device) for r in control.get(kind) or ()]
+                                for kind in CONTROL_KINDS}
         return state
 
     def _build_stages(self) -> list[Stage]:
@@ -443,8 +452,10 @@ class UNetModel(UNetEncoder):
         return stages
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                y: torch.Tensor | None = None, control: Control | None = None) -> torch.Tensor:
-        state = run_stages(self.stages(), self.initial_state(x, timesteps, context, y, control))
+                y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                control: Control | None = None) -> torch.Tensor:
+        state = run_stages(self.stages(),
+                           self.initial_state(x, timesteps, context, y, output_block_patches, control))
         return state["h"].to(x.dtype)
 
     def _out(self, state: State) -> State:
@@ -496,8 +507,10 @@ def _layer_stages(name: str, layer: nn.Module) -> list[Stage]:
 def _taking_skip(run: StageRun, keeps_upsample_size: bool) -> StageRun:
     def run_after_concatenating_skip(state: State) -> State:
         hs = state["hs"]
-        skip = with_control(hs.pop(), state, "output")
-        state["h"] = torch.cat([state["h"], skip], dim=1)  # (B, C + C_skip, H, W)
+        h, skip = state["h"], with_control(hs.pop(), state, "output")
+        for patch in state.get("output_block_patches", ()):
+            h, skip = patch(h, skip)
+        state["h"] = torch.cat([h, skip], dim=1)  # (B, C + C_skip, H, W)
         if keeps_upsample_size:
             # the size of the next skip, so an odd size survives upsampling
             state["upsample_size"] = tuple(hs[-1].shape[-2:]) if hs else None
