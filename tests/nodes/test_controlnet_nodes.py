@@ -263,3 +263,37 @@ def test_the_shuffle_file_name_turns_on_global_average_pooling(settings, models_
     plain = load_control_model(models_root / "controlnet" / "cn_ldm.safetensors")
     assert shuffle.global_average_pooling and not plain.global_average_pooling
     assert isinstance(shuffle.network.control_config, ControlNetConfig)
+
+
+def controlnet_api_prompt(models_root: Path) -> dict:
+    """ComfyUI's ControlNet example graph (ComfyUI_examples, controlnet) as an API prompt, on tiny files."""
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd1.safetensors"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
+        "4": {"class_type": "LoadImage", "inputs": {"image": str(models_root / "hint.png")}},
+        "5": {"class_type": "ControlNetLoader", "inputs": {"control_net_name": "cn_diffusers.safetensors"}},
+        "6": {"class_type": "ControlNetApplyAdvanced",
+              "inputs": {"positive": ["2", 0], "negative": ["3", 0], "control_net": ["5", 0],
+                         "image": ["4", 0], "strength": 0.8, "start_percent": 0.0, "end_percent": 0.9}},
+        "7": {"class_type": "EmptyLatentImage", "inputs": {"width": SIZE, "height": SIZE, "batch_size": 2}},
+        "8": {"class_type": "KSampler",
+              "inputs": {"model": ["1", 0], "positive": ["6", 0], "negative": ["6", 1],
+                         "latent_image": ["7", 0], "seed": 1, "steps": 3, "cfg": 6.0,
+                         "sampler_name": "dpmpp_2m", "scheduler": "karras", "denoise": 1.0}},
+        "9": {"class_type": "VAEDecode", "inputs": {"samples": ["8", 0], "vae": ["1", 2]}},
+        "10": {"class_type": "Capture", "inputs": {"value": ["9", 0]}},
+    }
+
+
+def test_a_comfyui_api_prompt_with_a_controlnet_imports_and_runs(settings, models_root):
+    from engine.graph.comfy import from_comfy_api
+
+    registry = default_registry(settings)
+    registry.register(Capture)
+    workflow, warnings = from_comfy_api(controlnet_api_prompt(models_root), registry.get)
+    assert [w for w in warnings if not w.startswith(("node 1 ", "node 5 "))] == []  # loaders: Sluice options
+    Capture.seen.clear()
+    result = Executor(registry.get, bus=telemetry.EventBus(), settings=settings).run(workflow)
+    assert result.status == "finished", result.failure or result.errors
+    assert Capture.seen["10"].shape == (2, 16, 16, 3)  # the tiny VAE upsamples twice
