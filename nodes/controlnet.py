@@ -42,6 +42,15 @@ def _hint(image: Any) -> torch.Tensor:
     return image
 
 
+def _load(ctx: RunContext, node_type: type[NodeType], name: str, backend: str, params_backend: str,
+          base: DiffusionModel | None = None) -> ControlModel:
+    """The control model of file `name` where the node's placement (and auto-fit) puts it."""
+    widgets = {"control_net_name": name, "backend": backend, "params_backend": params_backend}
+    devices, homes = node_targets(ctx, node_type, widgets)
+    return load_control_model(model_path(ctx.settings, FOLDER, name), None, devices[MEMORY_MODULE],
+                              homes[MEMORY_MODULE], get_runtime(), base)
+
+
 class ControlNetLoader(NodeType):
     display_name = "Load ControlNet Model"
     category = "loaders"
@@ -60,12 +69,8 @@ class ControlNetLoader(NodeType):
         return {MEMORY_MODULE: [model_path(settings, FOLDER, widgets["control_net_name"])]}
 
     def run(self, ctx: RunContext, control_net_name: str, backend: str = "auto",
-            params_backend: str = "auto", model: Any = None) -> tuple:
-        widgets = {"control_net_name": control_net_name, "backend": backend, "params_backend": params_backend}
-        devices, homes = node_targets(ctx, type(self), widgets)
-        base = None if model is None else require(model, "MODEL", DiffusionModel)
-        return (load_control_model(model_path(ctx.settings, FOLDER, control_net_name), None,
-                                   devices[MEMORY_MODULE], homes[MEMORY_MODULE], get_runtime(), base),)
+            params_backend: str = "auto") -> tuple:
+        return (_load(ctx, type(self), control_net_name, backend, params_backend),)
 
 
 class DiffControlNetLoader(ControlNetLoader):
@@ -76,7 +81,8 @@ class DiffControlNetLoader(ControlNetLoader):
 
     def run(self, ctx: RunContext, model: Any, control_net_name: str, backend: str = "auto",
             params_backend: str = "auto") -> tuple:
-        return super().run(ctx, control_net_name, backend, params_backend, model=model)
+        base = require(model, "MODEL", DiffusionModel)
+        return (_load(ctx, type(self), control_net_name, backend, params_backend, base),)
 
 
 class ControlNetApply(NodeType):

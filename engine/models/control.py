@@ -153,6 +153,7 @@ class Control:
         own = self.model.run_network(x_in.to(self.model.dtype), hint, timesteps.float(),
                                      context.to(self.model.dtype),
                                      None if y is None else y.to(self.model.dtype))
+        own = {kind: [r.to(x.device) for r in values] for kind, values in own.items()}
         return merge_controls(own, previous, self.strength, self.model.global_average_pooling, None)
 
     def _controlnet_hint(self, x: torch.Tensor, batched_number: int) -> torch.Tensor:
