@@ -127,8 +127,8 @@ class Control:
     def active(self, sigma: float, model_sampling: Any) -> bool:
         """Whether `sigma` lies in the step range (ComfyUI: not above start's sigma, not below end's)."""
         start, end = self.percent_range
-        high = torch.tensor(percent_to_sigma(model_sampling, start), dtype=torch.float32)
-        low = torch.tensor(percent_to_sigma(model_sampling, end), dtype=torch.float32)
+        high = torch.tensor(model_sampling.percent_to_sigma(start), dtype=torch.float32)
+        low = torch.tensor(model_sampling.percent_to_sigma(end), dtype=torch.float32)
         value = torch.tensor(sigma, dtype=torch.float32)
         return not bool(value > high or value < low)
 
@@ -218,11 +218,6 @@ def check_fits(model: ControlModel, unet: UNetEncoder) -> None:
         raise ValueError(f"this {network.config.kind} T2I-Adapter (features {[c for _, c in placement]} at "
                          f"UNet blocks {[b for b, _ in placement]}) does not fit the {config.family} model; "
                          f"use an adapter made for the model's family")
-
-
-def percent_to_sigma(model_sampling: Any, percent: float) -> float:
-    """The sigma at `percent` of sampling (ComfyUI's percent_to_sigma of the model sampling)."""
-    return float(model_sampling.percent_to_sigma(percent))
 
 
 def broadcast_image_to(hint: torch.Tensor, batch: int, batched_number: int) -> torch.Tensor:

@@ -14,7 +14,8 @@ ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its
 "ff_hidden" (a feed-forward's gated activations) and "upsample_size" (an upsampling output block's
 target size). Output-block patches (ComfyUI's output_block_patch, e.g. FreeU), when given, are in
 "output_block_patches": each `patch(h, skip) -> (h, skip)` runs before an output block concatenates its
-skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs.
+skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs. Control
+residuals (ControlNet, T2I-Adapter), when given, are in "control" (see UNetModel).
 """
 
 from __future__ import annotations
