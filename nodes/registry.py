@@ -33,6 +33,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.preview",
     "nodes.lora",
     "nodes.flux",
+    "nodes.model_patches",
     "nodes.controlnet",
 )
 

@@ -434,3 +434,44 @@ class DualCFGDenoiser(_Guided):
         self.last_uncond_denoised = uncond_x0
         return self._cfg(cond2_x0, uncond_x0, self.cfg_cond2_negative, x, sigma) + (cond1_x0 - cond2_x0) * \
             self.cfg_conds
+
+
+# ---------------------------------------------------------------------------------------------- cfg functions
+
+
+@dataclass(frozen=True)
+class RescaleCfg:
+    """RescaleCFG (Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed")
+    as ComfyUI's: in v-prediction space, the CFG result rescaled to the positive prediction's standard
+    deviation (per batch item) and mixed back by `multiplier`. x0 -> v uses the VP-EPS scalings at sigma."""
+
+    multiplier: float
+
+    def __call__(self, inputs: CfgInputs) -> torch.Tensor:
+        x = inputs.x
+        sigma = inputs.sigma.reshape(-1, *([1] * (x.ndim - 1))).to(x)  # (B, 1, 1, 1)
+        scaled_x = x / (sigma * sigma + 1.0)
+        root = (sigma ** 2 + 1.0) ** 0.5
+        cond_v = (scaled_x - inputs.cond_denoised) * root / sigma
+        uncond_v = (scaled_x - inputs.uncond_denoised) * root / sigma
+        guided_v = uncond_v + inputs.cond_scale * (cond_v - uncond_v)
+        dims = tuple(range(1, x.ndim))
+        rescaled = guided_v * (cond_v.std(dim=dims, keepdim=True) / guided_v.std(dim=dims, keepdim=True))
+        final_v = self.multiplier * rescaled + (1.0 - self.multiplier) * guided_v
+        return scaled_x - final_v * sigma / root
+
+
+@dataclass(frozen=True, eq=False)
+class PerpNegCfg:
+    """ComfyUI's PerpNeg model patch: the CFG mix replaced by `perp_neg` against the empty prompt, predicted
+    in a further call; `empty` is a CONDITIONING, resolved by the model for each call's latent size."""
+
+    empty: list
+    neg_scale: float
+
+    def __call__(self, inputs: CfgInputs) -> torch.Tensor:
+        x = inputs.x
+        entries = inputs.model.resolve(self.empty, x.shape[-1] * 8, x.shape[-2] * 8)
+        (empty_x0,) = calc_cond_batch(inputs.model, [prepare_sides([entries])[0]], x, inputs.sigma)
+        return perp_neg(inputs.cond_denoised, inputs.uncond_denoised, empty_x0, self.neg_scale,
+                        inputs.cond_scale)

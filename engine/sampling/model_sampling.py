@@ -296,6 +296,18 @@ def flux_shift_for(width: int, height: int, base_shift: float = 0.5, max_shift: 
 
 ModelSampling = EpsPrediction | VPrediction | X0Prediction | LCMPrediction | FlowMatching | FluxFlowMatching
 
+# ComfyUI's ModelSamplingDiscrete choices: what an SD network predicts on the standard scaled-linear schedule
+DISCRETE_PREDICTIONS: dict[str, type[EpsPrediction]] = {"eps": EpsPrediction, "v_prediction": VPrediction,
+                                                        "lcm": LCMPrediction, "x0": X0Prediction}
+
+
+def discrete_model_sampling(prediction: str, zsnr: bool = False) -> EpsPrediction:
+    """The model sampling of ModelSamplingDiscrete: `prediction` (eps, v_prediction, lcm, x0) on SD's
+    schedule, rescaled to zero terminal SNR when `zsnr`."""
+    if prediction not in DISCRETE_PREDICTIONS:
+        raise ValueError(f"unknown sampling {prediction!r}; accepted: {', '.join(DISCRETE_PREDICTIONS)}")
+    return DISCRETE_PREDICTIONS[prediction](zsnr=zsnr)
+
 UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None[, guidance=]) -> model output
 
 
