@@ -33,6 +33,7 @@ MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
     "upscale_models": ("upscale_models",),
     "embeddings": ("embeddings",),
     "vae_approx": ("vae_approx",),
+    "controlnet": ("controlnet", "t2i_adapter"),
 }
 MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
 

@@ -35,6 +35,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.lora",
     "nodes.flux",
     "nodes.model_patches",
+    "nodes.controlnet",
 )
 
 

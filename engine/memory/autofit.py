@@ -1,10 +1,10 @@
 """Auto-fit: choose where each component's weights live from file headers alone (reference/000, "Automatic
 placement").
 
-Components are considered in diffusion, te, vae order, so the weights reused at every sampling step have
-first claim. Each goes to the first place with room:
+Components are considered in diffusion, controlnet, te, vae order, so the weights reused at every sampling
+step have first claim. Each goes to the first place with room:
 
-1. its compute GPU, leaving a compute reserve (2 GiB for diffusion and te, 1 GiB for the VAE), staging room
+1. its compute GPU, leaving a compute reserve (2 GiB for diffusion and te, 1 GiB for the others), staging room
    for the largest tensor of each lower-priority component on that GPU, and room for the full weights and
    reserve of every higher-priority component that was offloaded there (so an offloaded diffusion model
    that needs the whole GPU pushes the TE and VAE off it too);
@@ -55,7 +55,7 @@ from engine.quant.types import GGML_TYPES, QUANTIZED
 
 log = logging.getLogger("sluice.autofit")
 
-PRIORITY = ("diffusion", "te", "vae")
+PRIORITY = ("diffusion", "controlnet", "te", "vae")  # what runs at every step first
 TYPED_COMPONENTS = ("diffusion", "te")  # what --type and the ladder quantise (the VAE's convolutions never)
 COMPUTE_RESERVE = {"diffusion": 2 * GIB, "te": 2 * GIB, "vae": 1 * GIB}
 RAM_KEEP_FREE_GIB, RAM_KEEP_FREE_FRACTION = 2, 0.10
@@ -283,6 +283,10 @@ def component_needs(
     from engine.models.formats import open_checkpoint
     from engine.models.loader import default_dtype
 
+    if set(components) == {"controlnet"}:  # a ControlNet or T2I-Adapter file
+        from engine.models.control_loader import control_needs
+
+        return control_needs(path, components["controlnet"], label, dtype)
     needs = []
     with open_checkpoint(path) as reader:
         info = detect(reader)

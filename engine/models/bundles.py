@@ -36,6 +36,7 @@ from engine.models.conditioning import (
     sdxl_adm,
     sdxl_refiner_adm,
 )
+from engine.models.control import Control
 from engine.models.staged import Stage
 from engine.models.tokenizer import CLIPTokenizer
 from engine.models.unet import UNetModel
@@ -116,14 +117,18 @@ class DiffusionModel:
 
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None) -> torch.Tensor:
+              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
+              control: Mapping[str, list] | None = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
-        The model's output-block patches (FreeU) run inside the UNet.
+        The model's output-block patches (FreeU) run inside the UNet, and so do `control`'s residuals
+        (ControlNet, T2I-Adapter: engine/models/control.py).
         """
         patches = tuple(self.options.get("output_block_patches", ()))
-        options = {"output_block_patches": patches} if patches else {}
+        options: dict[str, Any] = {"output_block_patches": patches} if patches else {}
+        if control is not None:
+            options["control"] = control
         return self.run_network(x, timesteps, context, y, **options)
 
     def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None, **options: Any) -> torch.Tensor:
@@ -163,8 +168,10 @@ class DiffusionModel:
         """ComfyUI CONDITIONING -> the sampler's entries for a width x height pixel image (also the SDXL size
         defaults): per entry its context, y, guidance (FluxGuidance's, None without) and where and when it
         applies (engine/models/conditioning.py, sampler_entries)."""
-        return sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
-                               lambda context, extras: self._model_inputs(context, extras, width, height))
+        entries = sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
+                                  lambda context, extras: self._model_inputs(context, extras, width, height))
+        return [dataclasses.replace(entry, control=entry.control.bound(self.model_sampling, self.unet))
+                if isinstance(entry.control, Control) else entry for entry in entries]
 
     def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any], width: int, height: int,
                       ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
