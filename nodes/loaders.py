@@ -126,7 +126,8 @@ def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any],
     needs = []
     for module, paths in files.items():
         parts = [need for path in paths
-                 for need in component_needs(path, {module: resolved[module].compute}, node_id, dtype)]
+                 for need in component_needs(path, {module: resolved[module].compute}, node_id, dtype,
+                                               runtime.devices)]
         if parts:
             needs.append(ComponentNeed(f"{node_id}/{module}", module, resolved[module].compute,
                                        sum(p.weight_bytes for p in parts),

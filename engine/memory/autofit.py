@@ -221,9 +221,11 @@ def planning_room(
 
 
 def component_needs(
-    path: str | Path, components: Mapping[str, str], label: str, dtype: torch.dtype | None = None
+    path: str | Path, components: Mapping[str, str], label: str, dtype: torch.dtype | None = None,
+    devices: Sequence[ComputeDevice] | None = None,
 ) -> list[ComponentNeed]:
-    """Header-only needs of the file's components; `components` maps each wanted one to its compute device."""
+    """Header-only needs of the file's components; `components` maps each wanted one to its compute device
+    (a name among `devices`, default the devices that exist)."""
     from engine.devices import resolve_device
     from engine.models.detect import detect
     from engine.models.formats import open_checkpoint
@@ -238,7 +240,7 @@ def component_needs(
             prefix = info.components[component]
             keys = [k for k in reader.keys() if k.startswith(prefix)]
             stored = next((reader.dtype(k) for k in keys if k.endswith(".weight")), None)
-            device = resolve_device(device_name)
+            device = resolve_device(device_name, devices)
             element = (dtype or default_dtype(component, device.torch_device, stored)).itemsize
             largest = max((math.prod(reader.shape(k)) for k in keys), default=0)
             needs.append(ComponentNeed(f"{label}/{component}", component, device.name,
