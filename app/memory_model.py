@@ -274,7 +274,7 @@ class MemoryModel:
             for name, device in self._devices.items():
                 samples = list(device.samples)
                 current = _peaks(_run_samples(samples, start, None), 1, max_points)
-                modules = _ordered_modules({module_kind(m) for s in current for m in s[4]})
+                modules = _ordered_modules({module_kind(m) for s in current for m, n in s[4].items() if n})
                 previous = []
                 for index, (begin, label) in enumerate(earlier):
                     end = self._runs[index + 1][0]

@@ -63,6 +63,7 @@ UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024))
 REFRESH_HZ = 30
 RUNTIME_POLL_HZ = 2
 PLAN_DELAY_MS = 250  # the plan is computed again this long after the last edit (it reads file headers)
+THROUGHPUT_MIN_PANEL_HEIGHT = 300  # a shorter panel (a docked one at 1024x700) leaves the rate plot out
 HEADROOM = 1.08  # the y axis reaches this far above the scale, so a line at the budget stays in sight
 MAX_POINTS = 1500  # samples drawn per series; more are reduced to each bin's peak
 
@@ -118,7 +119,7 @@ class DevicePlot(pg.PlotWidget):
     def __init__(self, device: str, parent: QWidget | None = None) -> None:
         super().__init__(parent, background=BACKGROUND)
         self.device = device
-        self.setMinimumHeight(110)
+        self.setMinimumHeight(150)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self.setTitle(device, color=TEXT, size="10pt")
         for side in ("left", "bottom"):
@@ -203,10 +204,17 @@ class DevicePlot(pg.PlotWidget):
         for z, (name, _, top) in enumerate(reversed(tops)):  # tallest first, each drawn over the last
             self.areas[name].setZValue(z)
             self.areas[name].setData(*_step(times, top, end))
+        drawn = {name for name, _, _ in tops}
+        for name, area in self.areas.items():  # a model the current run has not loaded (yet)
+            if name not in drawn:
+                area.setData([], [])
         longest = max([end, *(p["duration"] for p in previous), 1e-3])
         self.used.setData(*_step(times, used / size, end))
         if len(series["budget"]) and any(b is not None for b in series["budget"]):
-            self.budget.setData(*_step(*_known(times, series["budget"], size), end))
+            known_times, known = _known(times, series["budget"], size)
+            if known_times[0] > 0:  # the budget held before the run's first report of it
+                known_times, known = np.insert(known_times, 0, 0.0), np.insert(known, 0, known[0])
+            self.budget.setData(*_step(known_times, known, end))
         elif budget:
             self.budget.setData([0, longest], [budget / size] * 2)
         else:
@@ -237,6 +245,19 @@ class SegmentBar(QWidget):
         self.rate = rate
         self.update()
 
+    def header(self) -> str:
+        """The line above the boxes: the module, its device, the segments, the ring and the copy rate."""
+        if not self.plan or not self.plan["segments"]:
+            return "no segment plan yet"
+        segments = self.plan["segments"]
+        kind = "one segment (fits whole)" if self.plan["whole"] else f"{len(segments)} segments"
+        copying = f"copying {format_rate(self.rate)}" if self.rate else "no copies now"
+        header = (f"{self.plan['module']} on {self.plan['device']} · {copying} · {kind}, workspace "
+                  f"{format_bytes(self.plan['workspace'])}")
+        if self.plan.get("ring"):
+            header += f", stream ring {format_bytes(self.plan['ring'])} (underlined segments stream)"
+        return header
+
     def paintEvent(self, event: Any) -> None:
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
@@ -251,12 +272,7 @@ class SegmentBar(QWidget):
             painter.drawText(QRectF(8, 0, width, 22), Qt.AlignmentFlag.AlignVCenter, "no segment plan yet")
             return
         segments = self.plan["segments"]
-        kind = "one segment (fits whole)" if self.plan["whole"] else f"{len(segments)} segments"
-        header = (f"{self.plan['module']} on {self.plan['device']}: {kind}, workspace "
-                  f"{format_bytes(self.plan['workspace'])}")
-        if self.plan.get("ring"):
-            header += f", stream ring {format_bytes(self.plan['ring'])} (underlined segments stream)"
-        header += f" · copying {format_rate(self.rate)}" if self.rate else " · no copies now"
+        header = self.header()
         painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, header)
         x, legend_x = 8.0, 8.0
         stages = max(1, segments[-1]["stop"] - segments[0]["start"])
@@ -272,6 +288,8 @@ class SegmentBar(QWidget):
             label = f"{segment['index']}: {format_bytes(segment['weight_bytes'])}"
             if painter.fontMetrics().horizontalAdvance(label) > box.width() - 6:
                 label = str(segment["index"])
+            if painter.fontMetrics().horizontalAdvance(label) > box.width() - 2:
+                continue  # too narrow for even its number
             painter.setPen(QColor("#101214") if segment["state"] != "evicted" else QColor(TEXT))
             painter.drawText(box, Qt.AlignmentFlag.AlignCenter, label)
         for state, color in SEGMENT_COLORS.items():
@@ -332,10 +350,8 @@ def plan_html(placement: WorkflowPlacement | None) -> str:
                 per = "step" if slot.module == "diffusion" else "use"
                 fate += f", ≥{format_size(copies)} copied per {per}"
         rows.append(f"{name} on {'&'.join(slot.compute)} · {size} · {fate}")
-    total = (f"expected copies per step: ≥{format_size(per_step)}" if per_step
-             else "no copies expected per step")
-    header = "<b>Plan</b> (from the files, before anything loads)"
-    return "<br>".join([header, *rows, f"<i>{total}</i>"])
+    total = f"≥{format_size(per_step)} copied per step" if per_step else "no copies expected per step"
+    return "<br>".join([f"<b>Plan</b> before anything loads: <i>{total}</i>", *rows])
 
 
 class MemoryPanel(QWidget):
@@ -368,18 +384,20 @@ class MemoryPanel(QWidget):
         self.plan_label.setWordWrap(True)
         self.plan_label.setTextFormat(Qt.TextFormat.RichText)
         self.plan_label.setAlignment(Qt.AlignmentFlag.AlignTop | Qt.AlignmentFlag.AlignLeft)
-        self.plan_label.setStyleSheet(f"color: {TEXT}; padding: 2px 6px;")
-        self.plan_label.setSizePolicy(QSizePolicy.Policy.Preferred, QSizePolicy.Policy.Maximum)
+        self.plan_label.setStyleSheet(f"color: {TEXT}; padding: 2px 6px; font-size: 9pt;")
+        self.plan_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Maximum)
         side.addWidget(self.plan_label)
+        self.segment_bar = SegmentBar(self)
+        side.addWidget(self.segment_bar)
         self.throughput_label = QLabel("copies: idle", self)
-        self.throughput_label.setStyleSheet(f"color: {TEXT}; padding-left: 6px;")
+        self.throughput_label.setStyleSheet(f"color: {TEXT}; padding-left: 6px; font-size: 9pt;")
+        self.throughput_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         side.addWidget(self.throughput_label)
         self.throughput_plot = ThroughputPlot(self)
         side.addWidget(self.throughput_plot, 1)
+        side.addStretch(0)
         top.addLayout(side, 2)
         self.layout_.addLayout(top, 1)
-        self.segment_bar = SegmentBar(self)
-        self.layout_.addWidget(self.segment_bar)
         self.drawn_version = -1
         self.drawn_rate = 0.0
         self._plan_dirty = False
@@ -407,6 +425,11 @@ class MemoryPanel(QWidget):
             plot.show()  # a child added to a visible widget stays hidden until shown
         return self.device_plots[name]
 
+    def resizeEvent(self, event: Any) -> None:
+        """The copy-rate plot shows only where the panel is tall enough to keep the rest readable."""
+        super().resizeEvent(event)
+        self.throughput_plot.setVisible(self.height() >= THROUGHPUT_MIN_PANEL_HEIGHT)
+
     @Slot()
     def on_timer(self) -> None:
         """The timer's slot; `refresh` itself returns whether it redrew, which a slot need not."""
@@ -433,8 +456,8 @@ class MemoryPanel(QWidget):
         self.segment_bar.set_plan(snapshot["plan"], rate)
         self.throughput_plot.show_series(snapshot["throughput_series"], end)
         self.throughput_label.setText(
-            f"copies: {format_rate(rate)} over the last second · {format_bytes(snapshot['copied_bytes'])} "
-            f"copied in total" if snapshot["copied_bytes"] else "copies: none yet")
+            f"copies: {format_rate(rate)} now · {format_bytes(snapshot['copied_bytes'])} in all"
+            if snapshot["copied_bytes"] else "copies: none yet")
         self.drawn_version = snapshot["version"]
         self.drawn_rate = rate
         self._plan_dirty = False

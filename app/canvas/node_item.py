@@ -28,7 +28,7 @@ COLLAPSE_BOX = 18.0
 
 
 BADGE_SCREEN_PIXELS = 11.0  # the device badge's text height on screen at any zoom down to BADGE_MIN_ZOOM
-BADGE_MIN_ZOOM = 0.4
+BADGE_MIN_ZOOM = 0.6
 
 
 def _badge_font(painter: QPainter) -> QFont:
