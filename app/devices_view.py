@@ -178,7 +178,7 @@ class DeviceCard(QFrame):
         self.device = device
         self.setAcceptDrops(True)
         self.setObjectName(f"card_{name}")
-        self.setMinimumWidth(230)
+        self.setMinimumWidth(230 if device is not None else 140)
         self._style(False)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 6, 8, 8)
@@ -187,7 +187,9 @@ class DeviceCard(QFrame):
         what = device.description if device is not None else "follow the workflow's choice"
         self.title = QLabel(f"<span style='color:{color}; font-size: 11pt'><b>{name}</b></span> "
                             f"<span style='color:#aab2bf'>{what}</span>")
+        self.title.setWordWrap(True)
         self.memory_label = QLabel()
+        self.memory_label.setWordWrap(True)
         self.memory_label.setStyleSheet("color: #c8ced8;")
         self.bar = BudgetBar(self)
         self.bar.setVisible(device is not None)
@@ -196,6 +198,7 @@ class DeviceCard(QFrame):
         self.empty_label = QLabel("drop a model here" if device is not None else
                                   "drop a model here to let it follow the workflow")
         self.empty_label.setStyleSheet("color: #6f7784; font-style: italic;")
+        self.empty_label.setWordWrap(True)
         for widget in (self.title, self.memory_label, self.bar):
             layout.addWidget(widget)
         layout.addLayout(self.chips_box)
@@ -211,6 +214,7 @@ class DeviceCard(QFrame):
     def set_slots(self, slots: Sequence[ModuleSlot], placement: WorkflowPlacement) -> None:
         for chip in self.chips:
             self.chips_box.removeWidget(chip)
+            chip.hide()  # at once: deleteLater waits for the event loop
             chip.deleteLater()
         self.chips = [ModuleChip(slot, placement, self) for slot in slots]
         for chip in self.chips:

@@ -37,7 +37,7 @@ _REWRITES = (  # longest first: --params-backend before --backend
     (re.compile(r"--params-backend\b"), RESTS),
     (re.compile(r"--backend\b"), COMPUTES),
     (re.compile(r"\bparams_backend\b"), RESTS),
-    (re.compile(r"(?<![\w-])backend\b"), COMPUTES),
+    (re.compile(r"^backend(?=:)", re.MULTILINE), COMPUTES),  # a node input's name before its message
     (re.compile(r"\bmax_vram\b"), BUDGET),
 )
 
