@@ -82,7 +82,7 @@ def badge_for_slots(slots: Sequence[ModuleSlot], main_module: str) -> Badge | No
     flags = f"({COMPUTES}: backend, {RESTS}: params_backend)"
     broken = next((s for s in slots if s.problem), None)
     if broken is not None:
-        short = "⚠ cannot place" if not broken.compute else f"⚠ {broken.compute[0]}: over budget"
+        short = "⚠ cannot place" if not broken.compute else "⚠ over budget"
         return Badge(short, ERROR_COLOR, f"{broken.problem}\n\n{sentences}", broken.problem)
     text = f"{'&'.join(main.compute)} · {rest_label(main.home, main.compute)}"
     return Badge(text, device_color(main.compute[0]), f"{sentences}\n{flags}")

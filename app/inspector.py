@@ -152,6 +152,8 @@ class Inspector(QScrollArea):
         for spec in specs:
             label_text, tip = DEVICE_INPUTS[spec.name]
             editor = QComboBox()
+            editor.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            editor.setMinimumContentsLength(6)  # a narrow Inspector clips no text beside it
             value = str(node.widgets.get(spec.name, defaults[spec.name]))
             for choice in spec.current_choices():
                 editor.addItem(WEIGHT_HOMES.get(choice, choice) if spec.name == "params_backend" else choice,

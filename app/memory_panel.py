@@ -158,13 +158,14 @@ class DevicePlot(pg.PlotWidget):
             self.previous.append(line)
 
     @staticmethod
-    def _legend(weights: Mapping[str, Any], planned: int, previous: list) -> str:
+    def _legend(weights: Mapping[str, Any], workspace: bool, planned: int, previous: list) -> str:
         def swatch(color: str, text: str, mark: str = "■") -> str:
             return f"<span style='color:{color}'>{mark}</span>&nbsp;{text}"
 
         items = [swatch(MODULE_COLORS.get(m, OTHER_MODULE_COLOR), m) for m in weights]
-        items += [swatch(WORKSPACE_COLOR, "workspace"), swatch(USED_COLOR, "used", "━"),
-                  swatch(BUDGET_COLOR, "budget", "╍")]
+        if workspace:
+            items.append(swatch(WORKSPACE_COLOR, "workspace"))
+        items += [swatch(USED_COLOR, "used", "━"), swatch(BUDGET_COLOR, "budget", "╍")]
         if planned:
             items.append(swatch(PLANNED_COLOR, "planned", "┈"))
         if previous:
@@ -184,13 +185,13 @@ class DevicePlot(pg.PlotWidget):
         scale = plot_scale(budget, series["used"], [p["used"] for p in previous], planned)
         self.scale_bytes = scale
         unit, size = byte_unit(scale)
-        self.setLabel("left", f"memory ({unit})", color=AXIS)
+        self.setLabel("left", unit, color=AXIS)
         facts = [f"{BUDGET} {format_size(budget)}" if budget else "no VRAM budget"]
         if device is not None:
             facts.append(f"used {format_size(device['tracked'])}")
         head = f"<b>{self.device}</b>{' · ' + run if run else ''} · {' · '.join(facts)}"
-        self.setTitle(f"{head}<br>{self._legend(series['weights'], planned, previous)}", color=TEXT,
-                      size="9pt")
+        legend = self._legend(series["weights"], any(series["workspace"]), planned, previous)
+        self.setTitle(f"{head}<br>{legend}", color=TEXT, size="9pt")
         layers = [(m, MODULE_COLORS.get(module_kind(m), OTHER_MODULE_COLOR), v)
                   for m, v in series["weights"].items()]
         layers.append(("workspace", WORKSPACE_COLOR, series["workspace"]))
@@ -208,7 +209,7 @@ class DevicePlot(pg.PlotWidget):
         for name, area in self.areas.items():  # a model the current run has not loaded (yet)
             if name not in drawn:
                 area.setData([], [])
-        longest = max([end, *(p["duration"] for p in previous), 1e-3])
+        longest = max([end, *(p["duration"] for p in previous), 1e-3 if len(times) else 1.0])
         self.used.setData(*_step(times, used / size, end))
         if len(series["budget"]) and any(b is not None for b in series["budget"]):
             known_times, known = _known(times, series["budget"], size)

@@ -122,8 +122,8 @@ def _problem(slot: ModuleSlot, budgets: dict[str, int | None]) -> str | None:
     if slot.resident and slot.params is not None and slot.weight_bytes > budget:
         advice = "auto" if device == "cpu" else "pinned RAM or auto"
         return (f"{slot.module}'s weights ({format_size(slot.weight_bytes)}) do not fit the {BUDGET} of "
-                f"{device} ({format_size(budget)}) while they rest where it computes; set {RESTS} to "
-                f"{advice}, or raise the {BUDGET}")
+                f"{device} ({format_size(budget)}) while they rest where it computes; choose {advice} for "
+                f"'{RESTS}', or raise the {BUDGET}")
     return None
 
 

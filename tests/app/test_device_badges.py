@@ -132,7 +132,7 @@ def test_a_placement_that_cannot_work_is_flagged_as_soon_as_it_is_set(embedded_s
     assert node_badge(scene.workflow, scene.lookup, "1", cache).text == "cpu · RAM"  # auto-fit streams it
     scene.set_widget("1", "params_backend", "device")  # resting where it computes cannot fit: flagged
     badge = node_badge(scene.workflow, scene.lookup, "1", cache)
-    assert badge.color == ERROR_COLOR and badge.text == "⚠ cpu: over budget"
+    assert badge.color == ERROR_COLOR and badge.text == "⚠ over budget"
     assert "do not fit the VRAM budget of cpu (20.5 MiB)" in badge.error and "--" not in badge.error
     scene.undo_stack.undo()
     assert node_badge(scene.workflow, scene.lookup, "1", cache).error is None

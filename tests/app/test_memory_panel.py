@@ -179,7 +179,7 @@ def test_panel_renders_a_recorded_trace(qtbot, runtime_trace, screenshot):
     assert not panel.refresh()  # nothing changed since: no redraw
     plot = panel.device_plots["cpu"]
     assert {"te", "diffusion", "workspace"} <= set(plot.areas)
-    assert plot.getAxis("left").labelText == "memory (MiB)"
+    assert plot.getAxis("left").labelText == "MiB"
     states = [s["state"] for s in panel.segment_bar.plan["segments"]]
     assert "computing" in states and len(states) > 1
     assert "in all" in panel.throughput_label.text() and "copying" in panel.segment_bar.header()
@@ -314,8 +314,9 @@ def test_the_device_plot_scale_fits_the_budget_not_the_free_ram(qtbot):
     plot.show_device(model.snapshot()["devices"]["cpu"], 1.0)
     assert plot.scale_bytes == 20 * mib
     top = plot.getViewBox().viewRange()[1][1]  # in MiB, the axis's unit
-    assert plot.getAxis("left").labelText == "memory (MiB)" and 20 < top < 25
-    assert "VRAM budget 20 MiB" in plot.getPlotItem().titleLabel.text and "used 12 MiB" in plot.getPlotItem().titleLabel.text
+    assert plot.getAxis("left").labelText == "MiB" and 20 < top < 25
+    title = plot.getPlotItem().titleLabel.text
+    assert "VRAM budget 20 MiB" in title and "used 12 MiB" in title
 
 
 def test_the_planned_placement_shows_before_any_event(qtbot):
