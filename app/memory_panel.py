@@ -327,8 +327,10 @@ class ThroughputPlot(pg.PlotWidget):
 def plan_html(placement: WorkflowPlacement | None) -> str:
     """The planned placement in words: per model where it computes, its size, whether its weights stay or
     are copied in (and how much each step), then the copies expected per sampling step."""
-    if placement is None or placement.error:
-        return f"<b>Plan</b>: {placement.error if placement is not None else 'no workflow'}"
+    if placement is None:
+        return ""
+    if placement.error:
+        return f"<b>Plan</b>: {placement.error}"
     if not placement.slots:
         return "<b>Plan</b>: no models in this workflow"
     rows = []
@@ -412,6 +414,7 @@ class MemoryPanel(QWidget):
         """Show where the workflow's models will go (before the first run, and beside every run)."""
         self.planned = placement
         self.plan_label.setText(plan_html(placement))
+        self.plan_label.setVisible(placement is not None)  # a replayed trace has no workflow
         self._plan_dirty = True
         if placement is not None:
             for slot in placement.slots:
