@@ -30,6 +30,7 @@ from app.gui_words import COMPUTES, COMPUTES_TIP, RESTS, RESTS_TIP, WEIGHT_HOMES
 from app.workflow_placement import placements
 from engine.graph.document import MODES
 from engine.graph.spec import BOOLEAN, COMBO, FLOAT, INT, SEED, SEED_CONTROLS, STRING, Input
+from engine.placement import device_choices
 
 INT32 = 2**31 - 1
 DEVICE_INPUTS = {"backend": (COMPUTES, COMPUTES_TIP), "params_backend": (RESTS, RESTS_TIP)}
@@ -155,7 +156,8 @@ class Inspector(QScrollArea):
             editor.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             editor.setMinimumContentsLength(6)  # a narrow Inspector clips no text beside it
             value = str(node.widgets.get(spec.name, defaults[spec.name]))
-            for choice in spec.current_choices():
+            choices = spec.current_choices() or (list(device_choices()) if spec.name == "backend" else [])
+            for choice in choices:  # an upscaler's backend is free text: it gets the list too
                 editor.addItem(WEIGHT_HOMES.get(choice, choice) if spec.name == "params_backend" else choice,
                                choice)
             if editor.findData(value) < 0:  # a name that resolves (CPU, cuda:0) or one that does not

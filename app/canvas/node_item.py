@@ -32,8 +32,8 @@ BADGE_MIN_ZOOM = 0.6
 
 
 def _badge_font(painter: QPainter) -> QFont:
-    """The device badge's font: at least 9 pt in the scene, larger when zoomed out so that it stays
-    BADGE_SCREEN_PIXELS tall on screen (where the node is shown at zoom BADGE_MIN_ZOOM or more)."""
+    """The device badge's font: 12 px in the scene at least, larger when zoomed out so that it stays
+    BADGE_SCREEN_PIXELS tall on screen down to zoom BADGE_MIN_ZOOM."""
     font = QFont(painter.font())
     zoom = max(BADGE_MIN_ZOOM, min(1.0, painter.worldTransform().m22() or 1.0))
     font.setPixelSize(round(max(12.0, BADGE_SCREEN_PIXELS / zoom)))

@@ -160,3 +160,19 @@ def test_inspector_device_box_lists_devices_and_weight_homes_and_edits_undoably(
     scene.undo_stack.undo()
     assert scene.workflow.nodes["2"].widgets.get("params_backend", "auto") == "auto"
     assert rest.currentData() == "auto"
+
+
+def test_an_upscaler_loader_also_picks_its_device_from_the_list(qtbot, embedded_scene):
+    scene = embedded_scene
+    scene.add_node("UpscaleModelLoader", (0, 900))
+    node_id = max(scene.workflow.nodes, key=int)
+    inspector = Inspector(scene)
+    qtbot.addWidget(inspector)
+    scene.clearSelection()
+    scene.node_items[node_id].setSelected(True)
+    compute = inspector.editors["backend"]
+    assert [compute.itemData(i) for i in range(compute.count())] == list(device_choices())
+    assert "params_backend" not in inspector.editors
+    compute.setCurrentIndex(compute.findData("cpu"))
+    compute.activated.emit(compute.currentIndex())
+    assert scene.workflow.nodes[node_id].widgets["backend"] == "cpu"
