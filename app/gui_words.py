@@ -18,6 +18,8 @@ WEIGHT_HOMES = {
     "cpu": "pinned RAM",
     "disk": "disk (re-read each use)",
 }
+# what a node's placement inputs are called on the canvas (the input's name stays in files and tooltips)
+INPUT_LABELS = {"backend": "computes on", "params_backend": "weights rest"}
 # a resolved home (engine.placement.NodePlacement.params, or an auto-fit choice) in a sentence
 HOME_WORDS = {"device": "where it computes", "cpu": "pinned RAM", "disk": "disk"}
 
