@@ -31,7 +31,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from engine.devices import ComputeDevice, DeviceError, list_devices, resolve_device
@@ -507,3 +507,70 @@ def settings_from_namespace(ns: argparse.Namespace, base: MemorySettings | None 
     if base.warnings:
         settings = MemorySettings(**{**asdict(settings), "warnings": base.warnings + settings.warnings})
     return settings
+
+
+NODE_PARAMS = ("auto", "device", "cpu", "disk")  # a loader node's params_backend choices (auto: inherit)
+NODE_INHERIT = ("", "auto")  # a loader node's backend values that keep the workflow's (and CLI's) choice
+CLI_PARAMS_FLAGS = ("params_backend", "offload_to_cpu", "dit_offload", "text_encoder_offload", "vae_offload")
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """One module of a loader node, placed by CLI flags > the node's own values > the workflow > defaults."""
+
+    module: str  # canonical module: diffusion, te, vae, ...
+    compute: tuple[str, ...]  # resolved compute device names, the main one first (several: a split)
+    params: str | None  # device, cpu, disk or another device's name; None = auto-fit decides
+    split_mode: str  # layer or row; matters only with several compute devices
+    settings: MemorySettings  # the merged settings the placement came from (the node's backend included)
+    placement: ModulePlacement  # what placement_for resolved from `settings`
+
+
+def device_choices(devices: Sequence[ComputeDevice] | None = None) -> tuple[str, ...]:
+    """What a loader node's backend may be set to: auto, then every device that exists (cuda0, ..., cpu)."""
+    devices = list_devices() if devices is None else devices
+    return ("auto", *(device.name for device in devices))
+
+
+def resolve_node_placement(
+    module: str,
+    workflow_memory: Mapping[str, Any] | MemorySettings | None = None,
+    node_backend: str = "auto",
+    node_params: str = "auto",
+    overrides: Mapping[str, Any] | None = None,
+    devices: Sequence[ComputeDevice] | None = None,
+) -> NodePlacement:
+    """The placement of `module` as the executor runs it: CLI flags (`overrides`, by argparse name), then a
+    loader node's `backend` / `params_backend` (when not auto), then the workflow's settings["memory"], then
+    the defaults. The one resolution that the runtime, the node badge, the Inspector and the Devices view
+    share. Raises PlacementError, or DeviceError for a node backend that names no device.
+
+    Weights kept in RAM (`cpu`) for a CPU or unified-memory compute device are on the device (`device`).
+    With no explicit params anywhere, `params` is None when auto-fit decides, else `device`.
+    """
+    module = canonical_module(module)
+    devices = list_devices() if devices is None else list(devices)
+    overrides = dict(overrides or {})
+    params_choice = node_params.strip().lower()
+    if params_choice not in NODE_PARAMS:
+        raise PlacementError(f"unknown params_backend {node_params!r}; accepted: {', '.join(NODE_PARAMS)}")
+    workflow = workflow_memory if isinstance(workflow_memory, MemorySettings) else (
+        MemorySettings.from_dict(workflow_memory or {}))
+    backend = workflow.backend
+    if node_backend.strip().lower() not in NODE_INHERIT:
+        resolve_device(node_backend, devices)  # a DeviceError naming the devices that exist
+        backend = f"{backend},{module}={node_backend.strip()}"
+    flags = argparse.Namespace(**overrides)
+    settings = settings_from_namespace(flags, replace(workflow, backend=backend))
+    placement = placement_for(module, settings, devices)
+    main = resolve_device(placement.compute[0], devices)
+    if any(overrides.get(flag) for flag in CLI_PARAMS_FLAGS) or (
+        params_choice == "auto" and settings.params_backend is not None
+    ):
+        params: str | None = placement.params
+    elif params_choice != "auto":
+        unified = params_choice == "cpu" and main.kind in ("cpu", "igpu")
+        params = "device" if unified else params_choice
+    else:
+        params = None if settings.auto_fit else "device"
+    return NodePlacement(module, placement.compute, params, placement.split_mode, settings, placement)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.devices import DeviceError, resolve_device
-from engine.graph.spec import STRING, Input, NodeType, Output, RunContext, combo_input
+from engine.graph.spec import COMBO, Input, NodeType, Output, RunContext, combo_input
 from engine.memory.autofit import (
     TYPED_COMPONENTS,
     AutoFitPlan,
@@ -35,7 +35,7 @@ from engine.memory.autofit import (
     planning_room,
     publish_plan,
 )
-from engine.memory.runtime import NODE_PARAMS, MemoryRuntime, get_runtime
+from engine.memory.runtime import MemoryRuntime, get_runtime
 from engine.models.bundles import MissingComponent
 from engine.models.formats import CheckpointError
 from engine.models.loader import (
@@ -47,7 +47,7 @@ from engine.models.loader import (
     load_vae,
     parse_dtype,
 )
-from engine.placement import MemorySettings, settings_from_namespace
+from engine.placement import NODE_PARAMS, MemorySettings, device_choices, settings_from_namespace
 from engine.quant.loading import WeightTypes
 from engine.settings import Settings, SettingsError, load_settings
 
@@ -92,23 +92,27 @@ def file_fingerprint(*paths: Path) -> tuple:
 
 @dataclass(frozen=True)
 class DeviceNameInput(Input):
-    """A STRING widget that validates as a compute device name (cpu, cuda0, mps, auto, gpu, a prefix)."""
+    """A COMBO of the devices that exist (auto, cuda0, ..., cpu) that also accepts any name that resolves to
+    one (CPU, cuda:1, gpu, a unique prefix), as workflow files and the CLI may give."""
 
     def check_value(self, value: Any) -> str | None:
-        problem = super().check_value(value)
-        if problem is None and value.strip().lower() not in ("", "auto"):
-            try:
-                resolve_device(value)
-            except DeviceError as error:
-                return f"{self.name}: {error}"
-        return problem
+        if not isinstance(value, str):
+            return f"{self.name}: expected a device name, got {value!r}"
+        if value.strip().lower() in ("", "auto"):
+            return None
+        try:
+            resolve_device(value)
+        except DeviceError as error:
+            return f"{self.name}: {error}"
+        return None
 
 
 def placement_inputs() -> tuple[Input, ...]:
-    return (DeviceNameInput("backend", STRING, "auto",
-                            description="compute device: auto, cpu, cuda0, ... (sluice devices lists them)"),
+    return (DeviceNameInput("backend", COMBO, "auto", choices=device_choices,
+                            description="where it computes: auto, or a device that exists (cpu, cuda0, ...)"),
             combo_input("params_backend", NODE_PARAMS, "auto",
-                        description="where the weights live: auto (auto-fit), device, cpu (RAM), disk"))
+                        description="where the weights rest: auto (auto-fit), device (where it computes), "
+                                    "cpu (pinned RAM), disk (re-read from the file)"))
 
 
 def _memory_of(workflow: Any) -> dict[str, Any] | None:
@@ -131,7 +135,8 @@ def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any],
     needs = []
     for module, paths in files.items():
         parts = [need for path in paths for need in
-                 component_needs(path, {module: resolved[module].compute}, node_id, dtype, types, ladder)]
+                 component_needs(path, {module: resolved[module].compute}, node_id, dtype, types, ladder,
+                                 runtime.devices)]
         if parts:
             need = _joined(f"{node_id}/{module}", parts)
             needs.append(dataclasses.replace(need, fixed=resolved[module].params,

@@ -270,9 +270,10 @@ def planning_room(
 
 def component_needs(
     path: str | Path, components: Mapping[str, str], label: str, dtype: torch.dtype | None = None,
-    types: WeightTypes | None = None, ladder: bool = False,
+    types: WeightTypes | None = None, ladder: bool = False, devices: Sequence[ComputeDevice] | None = None,
 ) -> list[ComponentNeed]:
-    """Header-only needs of the file's components; `components` maps each wanted one to its compute device.
+    """Header-only needs of the file's components; `components` maps each wanted one to its compute device
+    (a name among `devices`, default the devices that exist).
 
     `types` (--type, --tensor-type-rules) prices the diffusion model's and text encoder's tensors at the types
     they will be quantised to; `ladder` gives those two components the ladder's variants (module docstring).
@@ -297,7 +298,7 @@ def component_needs(
             keys = [k for k in reader.keys() if k.startswith(prefix)]
             stored = next((reader.info(k).dtype for k in keys
                            if k.endswith(".weight") and reader.info(k).dtype is not None), None)
-            device = resolve_device(device_name)
+            device = resolve_device(device_name, devices)
             element = (dtype or default_dtype(component, device.torch_device, stored)).itemsize
             typed = types if component in TYPED_COMPONENTS else None
             base = ComponentNeed(f"{label}/{component}", component, device.name, 0, 0)

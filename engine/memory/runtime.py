@@ -62,16 +62,14 @@ from engine.placement import (
     MODES,
     SPLIT_MODES,
     MemorySettings,
-    PlacementError,
     canonical_module,
     max_vram_for,
     parse_modes,
-    placement_for,
+    resolve_node_placement,
     settings_from_namespace,
 )
 
 log = logging.getLogger("sluice.memory")
-NODE_PARAMS = ("auto", "device", "cpu", "disk")  # a loader node's params_backend choices
 
 
 @dataclass(frozen=True)
@@ -221,36 +219,15 @@ class MemoryRuntime:
 
         Also applies the process-wide part (budgets, prefetch, segmentation) to the runtime.
         """
-        params_choice = node_params.strip().lower()
-        if params_choice not in NODE_PARAMS:
-            accepted = ", ".join(NODE_PARAMS)
-            raise PlacementError(f"unknown params_backend {node_params!r}; accepted: {accepted}")
-        workflow = MemorySettings.from_dict(workflow_memory or {})
+        placed = resolve_node_placement(module, workflow_memory, node_backend, node_params, self.overrides,
+                                        self.devices)
         flags = argparse.Namespace(**self.overrides)
-        process = settings_from_namespace(flags, workflow)
+        process = settings_from_namespace(flags, MemorySettings.from_dict(workflow_memory or {}))
         if _process_part(process) != _process_part(self.settings):
             self.configure(process)
-        backend = workflow.backend
-        if node_backend.strip().lower() not in ("", "auto"):
-            self.device(node_backend)  # a clear DeviceError for a name that resolves to nothing
-            backend = f"{backend},{module}={node_backend.strip()}"
-        settings = settings_from_namespace(flags, dataclasses.replace(workflow, backend=backend))
-        placement = placement_for(module, settings, self.devices)
-        devices = tuple(self.device(name).name for name in placement.compute)
-        compute = self.device(devices[0])
-        self._split_modes[placement.module] = placement.split_mode
-        cli_params = self.overrides.get("params_backend") or any(
-            self.overrides.get(flag) for flag in ("offload_to_cpu", "dit_offload", "text_encoder_offload",
-                                                  "vae_offload"))
-        if cli_params or (params_choice == "auto" and settings.params_backend is not None):
-            params: str | None = placement.params
-        elif params_choice != "auto":
-            unified = params_choice == "cpu" and compute.kind in ("cpu", "igpu")
-            params = "device" if unified else params_choice
-        else:
-            params = None if settings.auto_fit else "device"
-        return ResolvedPlacement(placement.module, compute.name, params, settings, devices,
-                                 placement.split_mode)
+        self._split_modes[placed.module] = placed.split_mode
+        return ResolvedPlacement(placed.module, placed.compute[0], placed.params, placed.settings,
+                                 placed.compute, placed.split_mode)
 
     def split_mode(self, module: str) -> str:
         """The split mode (layer or row) of `module`'s last resolved placement, else of the settings."""
