@@ -69,8 +69,11 @@ def check_prompt(prompt: Any, lookup: Lookup, settings: Settings, preview_method
     if not outputs:
         raise PromptRejected(error_entry("prompt_no_outputs", "Prompt has no outputs"))
     errors: dict[str, list[dict[str, Any]]] = {key: list(value) for key, value in conversion_errors.items()}
+    unconverted = {(node_id, entry["extra_info"]["input_name"])
+                   for node_id, entries in conversion_errors.items() for entry in entries}
     for problem in validate(workflow, lookup):
-        if problem.node_id is not None and problem.kind != "no_output":
+        if problem.node_id is not None and problem.kind != "no_output" and \
+                (problem.node_id, problem.input_name) not in unconverted:
             errors.setdefault(problem.node_id, []).append(_comfy_error(problem, workflow, classes, settings))
     for node_id, node in workflow.nodes.items():
         entry = _upload_problem(classes[node_id], node.widgets, settings)

@@ -39,7 +39,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
-from aiohttp import web
+from aiohttp import http_exceptions, web
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from app.server.files import FOLDER_TYPES, PathRefused, folder_of, save_upload, view_path
@@ -275,10 +275,10 @@ class Routes:
             raise RequestError(refused.status, "bad_path" if refused.status != 404 else "not_found",
                                refused.message) from None
         disposition = {"Content-Disposition": f"filename=\"{path.name.replace(chr(34), '')}\""}
-        channel, preview = query.get("channel", "rgba"), query.get("preview")
-        if preview is None and channel == "rgba":
+        channel, preview = query.get("channel", ""), query.get("preview")
+        if preview is None and channel in ("", "rgba"):
             return web.FileResponse(path, headers=disposition)
-        if channel not in ("rgba", "rgb", "a"):
+        if channel not in ("", "rgba", "rgb", "a"):
             raise RequestError(400, "invalid_field", f"channel {channel!r} is not one of rgba, rgb, a")
         try:
             body, content_type = await self._blocking(_converted_image, path, channel, preview)
@@ -291,7 +291,7 @@ class Routes:
             return await request.post()
         except web.HTTPRequestEntityTooLarge:
             raise
-        except (ValueError, AssertionError, UnicodeError) as error:
+        except (ValueError, AssertionError, UnicodeError, http_exceptions.HttpProcessingError) as error:
             raise RequestError(400, "invalid_form", f"the request is not a readable multipart form: "
                                                     f"{error}") from None
 

@@ -255,7 +255,7 @@ class SluiceServer:
             return web.json_response(error.body, status=error.status)
         except web.HTTPRequestEntityTooLarge as error:
             return error_response(413, "request_too_large", f"the request body is larger than the limit of "
-                                  f"{error.max_size} bytes", str(error.text or ""))
+                                  f"{self.options.max_upload_bytes} bytes", str(error.text or ""))
         except web.HTTPException:
             raise
         except (asyncio.CancelledError, ConnectionError):
