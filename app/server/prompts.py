@@ -8,8 +8,9 @@ choices, cycles); every problem is reported under its node in `node_errors` with
 it. Outputs whose ancestors are sound run, the others are left out; when none is sound the prompt is
 refused ("prompt_outputs_failed_validation"). Widget values are converted as ComfyUI converts them ("20" to
 an INT, 1 to a FLOAT, {"__value__": [...]} to the list). LoadImage's file names must name a file inside the
-input folder (or, with ComfyUI's " [output]" / " [temp]" suffix, inside that folder); the server passes the
-node the checked path, so a prompt never reads a file outside the server's folders.
+input folder (or, with ComfyUI's " [output]" / " [temp]" suffix, inside that folder) and come as values, not
+through links; the server passes the node the checked path, so a prompt never reads a file outside the
+server's folders.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def check_prompt(prompt: Any, lookup: Lookup, settings: Settings, preview_method
                 (problem.node_id, problem.input_name) not in unconverted:
             errors.setdefault(problem.node_id, []).append(_comfy_error(problem, workflow, classes, settings))
     for node_id, node in workflow.nodes.items():
-        entry = _upload_problem(classes[node_id], node.widgets, settings)
+        entry = _upload_problem(classes[node_id], node.widgets, set(workflow.links_into(node_id)), settings)
         if entry is not None:
             errors.setdefault(node_id, []).append(entry)
     graph = build_graph(workflow)
@@ -219,8 +220,13 @@ def _upload_path(value: str, settings: Settings) -> Any:
     return view_path(relative.name, subfolder, annotated or "input", settings)
 
 
-def _upload_problem(node_type: type[NodeType], widgets: dict[str, Any], settings: Settings) -> dict | None:
+def _upload_problem(node_type: type[NodeType], widgets: dict[str, Any], linked: set[str],
+                    settings: Settings) -> dict | None:
     name = UPLOAD_INPUTS.get(node_type.type_name)
+    if name is not None and name in linked:  # a linked value could not be checked before the node reads it
+        return error_entry("custom_validation_failed", "Custom validation failed for node",
+                           f"{name} - the server takes the image's file name as a value (a name in the input "
+                           f"folder), not through a link", input_name=name)
     value = widgets.get(name) if name is not None else None
     if not isinstance(value, str):
         return None

@@ -255,6 +255,10 @@ def test_uploaded_image_is_loaded_by_loadimage(start_server, serve_settings):
     ref = followed.of("executed")[0]["output"]["images"][0]
     copy = Image.open(io.BytesIO(request("GET", f"{url}/view", params=ref).body))
     assert copy.convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+    prompt["1"]["inputs"]["image"] = f"{ref['filename']} [output]"  # ComfyUI's name of an output image
+    prompt["2"]["inputs"]["filename_prefix"] = "copy of copy"
+    _, again = asyncio.run(queue_and_follow(url, prompt))
+    assert again.of("executed")[0]["output"]["images"][0]["filename"].startswith("copy of copy_")
     info = request("GET", f"{url}/object_info/LoadImage").json()["LoadImage"]
     assert info["input"]["required"]["image"] == [["uploads/red.png"], {"image_upload": True}]
 

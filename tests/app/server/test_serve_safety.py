@@ -162,6 +162,12 @@ def test_prompts_cannot_load_images_from_outside_the_input_folder(start_server, 
         assert reply.status == 400, name
         (problem,) = reply.json()["node_errors"]["1"]["errors"]
         assert problem["type"] == "custom_validation_failed" and "Invalid image file" in problem["details"]
+    linked = {"1": {"class_type": "PrimitiveString", "inputs": {"value": str(outside)}},
+              "2": {"class_type": "LoadImage", "inputs": {"image": ["1", 0]}},
+              "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "x"}}}
+    reply = request("POST", f"{url}/prompt", json={"prompt": linked})
+    assert reply.status == 400
+    assert "not through a link" in reply.json()["node_errors"]["2"]["errors"][0]["details"]
 
 
 # -- uploads stay inside their folders and never overwrite --
