@@ -1,5 +1,5 @@
 """The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes, devices,
-plan, inspect, convert).
+plan, inspect, convert, serve).
 
 Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
 This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
@@ -423,6 +423,11 @@ def _add_run_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     _add_run_options(parser, suppress=True)
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome trace (Perfetto) of the memory runtime")
+    parser.add_argument("--server", metavar="URL",
+                        help="run on a running `sluice serve` (e.g. http://127.0.0.1:8188), whose models "
+                             "stay loaded between runs; the images still go to the output folder")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="the server's auth token (or SLUICE_AUTH_TOKEN)")
     _add_memory_options(parser)
     parser.set_defaults(handler=command_run)
 
@@ -440,6 +445,10 @@ def _add_run_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def command_run(args: argparse.Namespace) -> int:
+    if args.server:
+        from app.server.client import run_on_server
+
+        return run_on_server(args.workflow, args)
     return run_workflow(args.workflow, args)
 
 
@@ -620,6 +629,35 @@ def command_convert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_serve_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    from engine.previews import PREVIEW_METHODS
+
+    parser = subparsers.add_parser("serve", parents=[common], help="serve ComfyUI's HTTP and websocket API",
+                                   description="Serve ComfyUI's API (POST /prompt, /ws, /history, /view, "
+                                               "/object_info, ...) so ComfyUI clients drive Sluice's engine.")
+    parser.add_argument("--listen", metavar="ADDR", nargs="?", const="0.0.0.0", default="127.0.0.1",
+                        help="address(es) to listen on, comma-separated (default 127.0.0.1; alone: 0.0.0.0); "
+                             "a non-loopback address needs --auth-token or --insecure")
+    parser.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="every request must carry it (Authorization: Bearer TOKEN); or "
+                             "SLUICE_AUTH_TOKEN")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --listen without an auth token")
+    parser.add_argument("--max-upload-size", type=float, metavar="MB", default=100,
+                        help="the largest request body in MB (default 100)")
+    parser.add_argument("--preview-method", choices=PREVIEW_METHODS, default="auto",
+                        help="sampling previews sent on the websocket (default auto)")
+    _add_memory_options(parser)
+    parser.set_defaults(handler=command_serve)
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    from app.server.main import serve
+
+    return serve(args)
+
+
 def command_gui(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
@@ -666,6 +704,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_devices_parser(subparsers, common)
     _add_plan_parser(subparsers, common)
     _add_convert_parser(subparsers, common)
+    _add_serve_parser(subparsers, common)
     return parser
 
 
