@@ -10,6 +10,7 @@ last step's denoised x0 ("denoised_output"). The sampling itself is engine/sampl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from nodes.sampling import (
     MAX_STEPS,
     SAMPLER_NAMES,
     SCHEDULER_NAMES,
+    inpaint_channels,
     latent_output,
     model_samples,
     model_space,
@@ -63,19 +65,29 @@ class Guider:
     negative: list | None
     cfg: float
 
-    def denoiser(self, latent: torch.Tensor, noise_mask: torch.Tensor | None = None,
+    def denoiser(self, width: int, height: int,
                  check_interrupt: Callable[[], None] | None = None) -> CFGDenoiser:
-        """The guided denoiser (x, sigma) -> x0 for the model-space `latent` (B, C, h, w) with its noise mask
-        (the image is 8h x 8w pixels)."""
-        height, width = latent.shape[2] * 8, latent.shape[3] * 8
+        """The guided denoiser (x, sigma) -> x0 for a width x height pixel image."""
+        cond = self.model.guidance_conditioning(self.positive, width, height)
+        uncond = (None if self.negative is None
+                  else self.model.guidance_conditioning(self.negative, width, height))
+        return CFGDenoiser(self.model.denoiser(), cond, uncond, self.cfg, check_interrupt=check_interrupt)
 
-        def side(conditioning: list) -> Conditioning:
-            cond = self.model.guidance_conditioning(conditioning, width, height)
-            return with_inpaint_channels(self.model, conditioning, cond, latent, noise_mask)
 
-        uncond = None if self.negative is None else side(self.negative)
-        return CFGDenoiser(self.model.denoiser(), side(self.positive), uncond, self.cfg,
-                           check_interrupt=check_interrupt)
+class InpaintingModel:
+    """A MODEL seen by a guider for one job on an inpainting UNet: its guidance_conditioning gives every
+    entry the UNet's extra channels for the job's latent and noise mask (nodes/sampling.py); everything else
+    is the model's."""
+
+    def __init__(self, model: DiffusionModel, latent: torch.Tensor, noise_mask: torch.Tensor | None):
+        self.model, self.latent, self.noise_mask = model, latent, noise_mask
+
+    def guidance_conditioning(self, conditioning: list, width: int, height: int) -> list[Conditioning]:
+        entries = self.model.guidance_conditioning(conditioning, width, height)
+        return with_inpaint_channels(self.model, conditioning, entries, self.latent, self.noise_mask)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
 
 
 def require_link(value: Any, kind: str, expected: type | tuple[type, ...], made_by: str) -> Any:
@@ -108,7 +120,9 @@ def run_custom_sampler(ctx: RunContext, noise: Any, guider: Any, sampler: Any, s
         out = {**latent_image, "samples": samples}
         return out, out
     latent, noise_mask = model_space(model, samples), noise_mask_of(latent_image)
-    guided = guider.denoiser(latent, noise_mask, ctx.check_interrupt)
+    if inpaint_channels(model):
+        guider = dataclasses.replace(guider, model=InpaintingModel(model, latent, noise_mask))
+    guided = guider.denoiser(samples.shape[3] * 8, samples.shape[2] * 8, ctx.check_interrupt)
     report = step_reporter(ctx, model)
     last: dict[str, torch.Tensor] = {}
 

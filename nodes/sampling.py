@@ -71,29 +71,38 @@ def noise_mask_of(latent_image: Any) -> torch.Tensor | None:
     return mask
 
 
-def with_inpaint_channels(model: DiffusionModel, conditioning: Any, cond: Conditioning, latent: torch.Tensor,
-                          noise_mask: torch.Tensor | None) -> Conditioning:
-    """`cond` with the extra input channels of an inpainting UNet (ComfyUI's concat_cond): the conditioning's
-    concat_mask and concat_latent_image (InpaintModelConditioning) where it has them, else the noise mask and
-    the model-space `latent` being sampled. Other models: `cond` as it is."""
+def inpaint_channels(model: DiffusionModel) -> bool:
+    """Whether the model is an inpainting UNet (4 + 5 input channels), which takes extra channels; a UNet of
+    another extra channel count is an error."""
     if not isinstance(model.unet, UNetModel):
-        return cond
+        return False
     extra = model.unet.config.in_channels - model.latent_channels
-    if extra == 0:
-        return cond
-    if extra != INPAINT_CONCAT_CHANNELS:
+    if extra not in (0, INPAINT_CONCAT_CHANNELS):
         raise ValueError(f"this {model.family} UNet takes {model.unet.config.in_channels} input channels; "
                          f"accepted: {model.latent_channels} (a plain model) or "
                          f"{model.latent_channels + INPAINT_CONCAT_CHANNELS} (an inpainting model)")
-    extras = conditioning[0][1]
-    concat_latent, concat_mask = extras.get("concat_latent_image"), extras.get("concat_mask")
-    if concat_latent is not None:
-        concat_latent = model.process_in(concat_latent.to(latent.device, latent.dtype))
-    if concat_mask is not None:
-        concat_mask = concat_mask.to(latent.device)
+    return extra == INPAINT_CONCAT_CHANNELS
+
+
+def with_inpaint_channels(model: DiffusionModel, conditioning: Any, entries: list[Conditioning],
+                          latent: torch.Tensor, noise_mask: torch.Tensor | None) -> list[Conditioning]:
+    """The sampler `entries` of a CONDITIONING (one per [context, options] pair) with the extra input channels
+    of an inpainting UNet (ComfyUI's concat_cond, per entry): the entry's concat_mask and concat_latent_image
+    (InpaintModelConditioning) where it has them, else the noise mask and the model-space `latent` being
+    sampled. Other models: `entries` as they are."""
+    if not inpaint_channels(model):
+        return entries
     mask = None if noise_mask is None else latent_noise_mask(noise_mask, latent.shape).to(latent.device)
-    return dataclasses.replace(cond, concat=inpaint_concat(latent.shape, latent, mask, concat_latent,
-                                                           concat_mask))
+    out = []
+    for entry, (_, options) in zip(entries, conditioning, strict=True):
+        concat_latent, concat_mask = options.get("concat_latent_image"), options.get("concat_mask")
+        if concat_latent is not None:
+            concat_latent = model.process_in(concat_latent.to(latent.device, latent.dtype))
+        if concat_mask is not None:
+            concat_mask = concat_mask.to(latent.device)
+        concat = inpaint_concat(latent.shape, latent, mask, concat_latent, concat_mask)
+        out.append(dataclasses.replace(entry, concat=concat))
+    return out
 
 
 def step_reporter(ctx: RunContext, model: DiffusionModel) -> Callable[[dict], None]:
@@ -125,12 +134,13 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
     height, width = samples.shape[2] * 8, samples.shape[3] * 8
     cond, uncond = (with_inpaint_channels(model, c, model.guidance_conditioning(c, width, height), latent,
                                           noise_mask) for c in (positive, negative))
-    result = sample(model.denoiser(), latent, cond, uncond, cfg, sampler_name, scheduler,
-                    steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
-                    end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
-                    callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
-                    family=model.latent_format, denoise_mask=noise_mask,
-                    batch_index=latent_image.get("batch_index"))
+    with model.holding_sampler_state(samples, positive, negative):
+        result = sample(model.denoiser(), latent, cond, uncond, cfg, sampler_name, scheduler, steps, seed,
+                        denoise=denoise, add_noise=add_noise, start_step=start_step, end_step=end_step,
+                        return_with_leftover_noise=return_with_leftover_noise,
+                        callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
+                        family=model.latent_format, denoise_mask=noise_mask,
+                        batch_index=latent_image.get("batch_index"))
     return latent_output(model, latent_image, result)
 
 

@@ -6,14 +6,18 @@ Conventions are ComfyUI's, so that ComfyUI-style nodes compose:
   a `DiffusionModel` scales latents into its own space (`process_in`) and back (`process_out`).
 - IMAGE is `[B, H, W, 3]` float32 in 0..1 on the CPU; MASK is `[B, H, W]`.
 - CONDITIONING is a list of `[context [1, T, C], {"pooled_output": [1, P] | None, ...}]` pairs; SDXL entries
-  may carry width, height, crop_w, crop_h, target_width, target_height for the size conditioning.
+  may carry width, height, crop_w, crop_h, target_width, target_height for the size conditioning, and any
+  entry the area, mask, strength and timestep-range options of engine/models/conditioning.py.
+- A MODEL's `options` hold its patches: "sampler_cfg_function" (a guidance.CfgFunction replacing the CFG mix)
+  and "output_block_patches" (UNet output-block patches, `(h, skip) -> (h, skip)`, unet.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +32,11 @@ from engine.models.conditioning import (
     SD2Conditioner,
     SDXLConditioner,
     SDXLRefinerConditioner,
+    sampler_entries,
     sdxl_adm,
     sdxl_refiner_adm,
 )
+from engine.models.control import Control
 from engine.models.staged import Stage
 from engine.models.tokenizer import CLIPTokenizer
 from engine.models.unet import UNetModel
@@ -45,6 +51,7 @@ ConditioningList = list[list[Any]]  # [[context, {"pooled_output": ..., ...}], .
 
 TEXT_FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner")
 EMBEDDING_KEYS = {"clip_l": ("clip_l",), "openclip_g": ("clip_g",), "openclip_h": ("clip_h",)}
+SAMPLER_STATE_LATENTS = 16  # float32 latent-sized tensors a sampler and its CFG batch keep on the device
 REFINER_AESTHETIC_SCORE = 6.0  # sgm's default for the refiner's positive prompt
 
 
@@ -82,7 +89,7 @@ class DiffusionModel:
     compute_device: str  # Sluice device name, e.g. "cpu", "cuda0"
     params_location: str = "device"  # where the weights live: "device", "cpu" (pinned RAM) or "disk"
     source: Path | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # per-clone settings (later: LoRA patches)
+    options: dict[str, Any] = field(default_factory=dict)  # per-clone settings: LoRAs, model patches
     memory: ModuleMemory | None = None  # set when the memory runtime holds the weights
 
     @property
@@ -110,43 +117,69 @@ class DiffusionModel:
 
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None) -> torch.Tensor:
+              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
+              control: Mapping[str, list] | None = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
+        The model's output-block patches (FreeU) run inside the UNet, and so do `control`'s residuals
+        (ControlNet, T2I-Adapter: engine/models/control.py).
         """
-        return self.run_network(x, timesteps, context, y)
+        patches = tuple(self.options.get("output_block_patches", ()))
+        options: dict[str, Any] = {"output_block_patches": patches} if patches else {}
+        if control is not None:
+            options["control"] = control
+        return self.run_network(x, timesteps, context, y, **options)
 
-    def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
-        """The network's output for (x, *inputs), moved to its device, through the memory runtime when that
-        holds the weights; returned on x's device and in x's dtype."""
+    def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None, **options: Any) -> torch.Tensor:
+        """The network's output for (x, *inputs, **options), moved to its device, through the memory runtime
+        when that holds the weights; returned on x's device and in x's dtype."""
         device = self.torch_device
         on_device = [t if t is None else t.to(device) for t in (x, *inputs)]
         if _managed(self.memory, self.unet):
-            out = self.memory.run(0, self.unet, self.unet.stages(), self.unet.initial_state(*on_device))["h"]
+            state = self.unet.initial_state(*on_device, **options)
+            out = self.memory.run(0, self.unet, self.unet.stages(), state)["h"]
         else:
-            out = self.unet(*on_device)
+            out = self.unet(*on_device, **options)
         return out.to(device=x.device, dtype=x.dtype)
 
     def denoiser(self) -> Denoiser:
-        """The k-diffusion denoiser (x, sigma) -> x0 that the samplers call."""
-        return Denoiser(self.apply, self.model_sampling)
+        """The k-diffusion denoiser (x, sigma) -> x0 that the samplers call, with the model's cfg function."""
+        return Denoiser(self.apply, self.model_sampling, resolve=self.guidance_conditioning,
+                        cfg_function=self.options.get("sampler_cfg_function"))
+
+    @contextlib.contextmanager
+    def holding_sampler_state(self, samples: torch.Tensor, *conditionings: Any) -> Iterator[None]:
+        """Track the sampler's own device tensors in the memory runtime while it samples `samples`: its
+        latents (SAMPLER_STATE_LATENTS float32 copies of them: x, denoised, noise, derivatives, a multistep
+        sampler's history, the CFG batch in and out) and each conditioning twice (as given and batched for
+        CFG). Untracked, they took SDXL 2 to 4 MiB over its budget (bench/e2e.py, session 16)."""
+        if self.memory is None or not self.memory.holds(0, self.unet):
+            yield
+            return
+        text = sum(t.numel() * t.element_size() for c in conditionings if isinstance(c, list)
+                   for entry in c for t in (entry[0], *entry[1].values()) if isinstance(t, torch.Tensor))
+        nbytes = SAMPLER_STATE_LATENTS * samples.numel() * 4 + 2 * samples.shape[0] * text
+        with self.memory.holding("sampler state", nbytes):
+            yield
 
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
-                              ) -> guidance.Conditioning:
-        """ComfyUI CONDITIONING -> the sampler's (context, y, guidance); width, height: SDXL size defaults
-        (pixels). `guidance` is the entry's extras["guidance"] (FluxGuidance), None when it has none."""
-        if not isinstance(conditioning, list) or not conditioning:
-            raise ValueError("conditioning is empty; connect the output of a CLIPTextEncode node")
-        if len(conditioning) > 1:
-            raise ValueError(f"conditioning holds {len(conditioning)} entries; combining several "
-                             f"conditionings is not supported yet, connect one CLIPTextEncode output")
-        context, extras = conditioning[0]
+                              ) -> list[guidance.Conditioning]:
+        """ComfyUI CONDITIONING -> the sampler's entries for a width x height pixel image (also the SDXL size
+        defaults): per entry its context, y, guidance (FluxGuidance's, None without) and where and when it
+        applies (engine/models/conditioning.py, sampler_entries)."""
+        entries = sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
+                                  lambda context, extras: self._model_inputs(context, extras, width, height))
+        return [dataclasses.replace(entry, control=entry.control.bound(self.model_sampling, self.unet))
+                if isinstance(entry.control, Control) else entry for entry in entries]
+
+    def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any], width: int, height: int,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         if context.shape[-1] != self.unet.config.context_dim:
             raise ValueError(f"conditioning width {context.shape[-1]} does not suit this {self.family} model "
                              f"(context_dim {self.unet.config.context_dim}); use the text encoder of the "
                              f"same model family")
-        return guidance.Conditioning(context, self._adm(extras, width, height), extras.get("guidance"))
+        return context, self._adm(extras, width, height), extras.get("guidance")
 
     def _adm(self, extras: Mapping[str, Any], width: int, height: int) -> torch.Tensor | None:
         """SDXL's vector condition y from the pooled text feature and the size fields (ComfyUI encode_adm)."""

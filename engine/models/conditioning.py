@@ -17,15 +17,21 @@ A prompt of several 77-token chunks is encoded chunk by chunk and concatenated a
 
 from __future__ import annotations
 
+import logging
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.clip import CLIPTextModel
 from engine.models.detect import TextEncoderConfig
 from engine.models.tokenizer import EmbeddingVector
+from engine.sampling import guidance
+
+log = logging.getLogger(__name__)
 
 BOS_ID = 49406  # <|startoftext|>
 EOS_ID = 49407  # <|endoftext|>, the largest id of the CLIP vocabulary
@@ -240,3 +246,137 @@ def sdxl_refiner_adm(pooled: torch.Tensor, width: int, height: int, crop_w: int 
     crop top-left (top, left) and aesthetic score, 256 each."""
     sizes = size_embedding([height, width, crop_h, crop_w, aesthetic_score]).to(pooled)
     return torch.cat([pooled, sizes.expand(pooled.shape[0], -1)], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------- CONDITIONING
+# A CONDITIONING (ComfyUI's type, on node links) is a list of [context [1, T, C], options] entries. The
+# options dict is open: "pooled_output" [1, P], the SDXL size fields, "guidance" (FluxGuidance), "area"
+# ((h, w, y, x) in latent cells, or ("percentage", h, w, y, x) in fractions of the latent), "strength",
+# "mask" ([B, H, W] at any size) with "mask_strength" and "set_area_to_bounds", "start_percent" /
+# "end_percent" (fractions of the sampling), "control" and "control_apply_to_uncond" (ControlNet), and
+# whatever other nodes add. Nodes never write into an entry: they return new lists of new dicts (the
+# tensors are shared).
+
+ConditioningList = list[list[Any]]
+# (context, options) -> the model's (context, y, guidance) for an entry
+ModelInputs = Callable[[torch.Tensor, Mapping[str, Any]],
+                       tuple[torch.Tensor, torch.Tensor | None, float | None]]
+
+
+def check_conditioning(conditioning: Any, role: str = "conditioning") -> ConditioningList:
+    """The list itself when it is a CONDITIONING (a list of [context [B, T, C], {...}] entries); else a clear
+    error."""
+    if not isinstance(conditioning, list) or not all(
+            isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], torch.Tensor)
+            and entry[0].ndim == 3 and isinstance(entry[1], dict) for entry in conditioning):
+        raise ValueError(f"{role}: expected a CONDITIONING (a list of [context (batch, tokens, channels), "
+                         f"{{options}}] entries), got {type(conditioning).__name__}")
+    return conditioning
+
+
+def set_values(conditioning: ConditioningList, **values: Any) -> ConditioningList:
+    """Every entry with `values` set in a copy of its options (ComfyUI's conditioning_set_values)."""
+    return [[context, {**options, **values}] for context, options in check_conditioning(conditioning)]
+
+
+def first_entry(conditioning: ConditioningList, role: str) -> list[Any]:
+    """The first entry of `conditioning`, which must have one; a warning when it has more (ComfyUI's nodes
+    that read one entry use the first)."""
+    if not check_conditioning(conditioning, role):
+        raise ValueError(f"{role} is empty; connect the output of a CLIPTextEncode node")
+    if len(conditioning) > 1:
+        log.warning("%s holds %d entries; only the first one is used", role, len(conditioning))
+    return conditioning[0]
+
+
+def concat_conditioning(to: ConditioningList, source: ConditioningList) -> ConditioningList:
+    """ConditioningConcat: each entry of `to` with the first context of `source` appended along the tokens."""
+    appended = first_entry(source, "conditioning_from")[0]
+    return [[torch.cat((context, appended.to(context)), dim=1), dict(options)]
+            for context, options in check_conditioning(to, "conditioning_to")]
+
+
+def average_conditioning(to: ConditioningList, source: ConditioningList, to_strength: float,
+                         ) -> ConditioningList:
+    """ConditioningAverage: each entry of `to` as to_strength * it + (1 - to_strength) * the first entry of
+    `source`, whose context is cut or zero-padded to the entry's length; pooled outputs mix the same way (an
+    entry without one takes `source`'s)."""
+    source_context, source_options = first_entry(source, "conditioning_from")
+    source_pooled = source_options.get("pooled_output")
+    averaged = []
+    for context, options in check_conditioning(to, "conditioning_to"):
+        other = source_context[:, :context.shape[1]].to(context)
+        if other.shape[1] < context.shape[1]:
+            padding = context.new_zeros(1, context.shape[1] - other.shape[1], context.shape[2])
+            other = torch.cat([other, padding], dim=1)
+        options = dict(options)
+        pooled = options.get("pooled_output", source_pooled)
+        if source_pooled is not None and pooled is not None:
+            options["pooled_output"] = pooled * to_strength + source_pooled * (1.0 - to_strength)
+        elif source_pooled is not None:
+            options["pooled_output"] = source_pooled
+        averaged.append([context * to_strength + other * (1.0 - to_strength), options])
+    return averaged
+
+
+def _area_cells(area: Any, height: int, width: int) -> tuple[int, int, int, int]:
+    """An entry's "area" in latent cells (height, width, top, left); fractions ("percentage", h, w, y, x) are
+    resolved against the latent's size as ComfyUI's resolve_areas_and_cond_masks (Python's round)."""
+    if isinstance(area, (tuple, list)) and len(area) == 5 and area[0] == "percentage":
+        h, w, top, left = (float(v) for v in area[1:])
+        return max(1, round(h * height)), max(1, round(w * width)), round(top * height), round(left * width)
+    if isinstance(area, (tuple, list)) and len(area) == 4 and all(isinstance(v, int) for v in area):
+        return tuple(area)
+    raise ValueError(f"conditioning area {area!r} is not (height, width, y, x) in latent cells nor "
+                     f"('percentage', height, width, y, x) in fractions")
+
+
+def _mask_bounds(mask: torch.Tensor) -> tuple[int, int, int, int]:
+    """The area (height, width, top, left) of the cells any mask of the batch covers, at least 8 x 8;
+    (8, 8, 0, 0) for an empty mask (ComfyUI's set_area_to_bounds)."""
+    covered = mask.abs().amax(dim=0) != 0  # (H, W)
+    if not bool(covered.any()):
+        return 8, 8, 0, 0
+    rows, cols = torch.where(covered)
+    top, left = int(rows.min()), int(cols.min())
+    return max(8, int(rows.max()) - top + 1), max(8, int(cols.max()) - left + 1), top, left
+
+
+def _latent_mask(mask: Any, height: int, width: int) -> torch.Tensor:
+    """A MASK ([H, W] or [B, H, W]) resized to the latent (bilinear, as ComfyUI) -> [B, height, width]."""
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 3):
+        shown = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"conditioning mask must be a MASK of shape (height, width) or (batch, height, "
+                         f"width); got {shown}")
+    mask = mask.float()[None] if mask.ndim == 2 else mask.float()
+    if tuple(mask.shape[1:]) != (height, width):
+        mask = F.interpolate(mask[:, None], size=(height, width), mode="bilinear", align_corners=False)[:, 0]
+    return mask
+
+
+def sampler_entries(conditioning: Any, height: int, width: int, model_sampling: Any,
+                    model_inputs: ModelInputs, role: str = "conditioning") -> list[guidance.Conditioning]:
+    """A CONDITIONING as the sampler's entries for a latent of height x width cells (ComfyUI's
+    process_conds): areas in cells, masks at the latent's size (with their bounds as area for "mask bounds"),
+    start and end percents as sigmas through `model_sampling.percent_to_sigma`, and the model's inputs
+    (context, y, guidance) from `model_inputs(context, options)`."""
+    if not check_conditioning(conditioning, role):
+        raise ValueError(f"{role} is empty; connect the output of a CLIPTextEncode node")
+    entries = []
+    for context, options in conditioning:
+        context, y, scale = model_inputs(context, options)
+        area = None if options.get("area") is None else _area_cells(options["area"], height, width)
+        mask = None if options.get("mask") is None else _latent_mask(options["mask"], height, width)
+        if mask is not None and options.get("set_area_to_bounds", False):
+            area = _mask_bounds(mask)
+        sigma_start = sigma_end = None
+        if "start_percent" in options:
+            sigma_start = model_sampling.percent_to_sigma(float(options["start_percent"]))
+        if "end_percent" in options:
+            sigma_end = model_sampling.percent_to_sigma(float(options["end_percent"]))
+        entries.append(guidance.Conditioning(
+            context, y, scale, area=area, mask=mask, mask_strength=float(options.get("mask_strength", 1.0)),
+            strength=float(options.get("strength", 1.0)), sigma_start=sigma_start, sigma_end=sigma_end,
+            control=options.get("control"),
+            control_apply_to_uncond=bool(options.get("control_apply_to_uncond", False))))
+    return entries

@@ -28,7 +28,13 @@ from engine.models.bundles import (
     _tokenizer_for,
 )
 from engine.models.clip import CLIPTextModel
-from engine.models.conditioning import EOS_ID, Conditioning, EncoderConvention, encode_weighted
+from engine.models.conditioning import (
+    EOS_ID,
+    Conditioning,
+    EncoderConvention,
+    encode_weighted,
+    sampler_entries,
+)
 from engine.models.t5 import T5Encoder
 from engine.models.t5_tokenizer import T5Tokenizer
 from engine.models.t5_tokenizer import encode_weighted as encode_weighted_t5
@@ -67,14 +73,13 @@ class FluxDiffusionModel(DiffusionModel):
         return self.run_network(x, timesteps, context, y, guidance if self.has_guidance else None)
 
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
-                              ) -> guidance.Conditioning:
-        """ComfyUI CONDITIONING -> the sampler's (context, y = pooled CLIP-L, guidance)."""
-        if not isinstance(conditioning, list) or not conditioning:
-            raise ValueError("conditioning is empty; connect the output of a CLIPTextEncode node")
-        if len(conditioning) > 1:
-            raise ValueError(f"conditioning holds {len(conditioning)} entries; combining several "
-                             f"conditionings is not supported yet, connect one text encoder output")
-        context, extras = conditioning[0]
+                              ) -> list[guidance.Conditioning]:
+        """ComfyUI CONDITIONING -> the sampler's entries: per entry (context, y = pooled CLIP-L, guidance) and
+        where and when it applies (engine/models/conditioning.py, sampler_entries)."""
+        return sampler_entries(conditioning, height // 8, width // 8, self.model_sampling, self._model_inputs)
+
+    def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any],
+                      ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         width_needed = self.unet.config.context_in_dim
         if context.shape[-1] != width_needed:
             raise ValueError(f"conditioning width {context.shape[-1]} does not suit this FLUX model (it "
@@ -86,7 +91,7 @@ class FluxDiffusionModel(DiffusionModel):
             raise ValueError(f"this FLUX model needs CLIP-L's pooled feature ({self.unet.config.vec_in_dim} "
                              f"wide); the conditioning has {found}")
         scale = extras.get("guidance", DEFAULT_GUIDANCE) if self.has_guidance else None
-        return guidance.Conditioning(context, pooled, guidance=scale)
+        return context, pooled, scale
 
 
 @functools.cache

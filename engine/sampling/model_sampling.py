@@ -19,19 +19,36 @@ def scaled_linear_betas(linear_start: float = 0.00085, linear_end: float = 0.012
     return torch.linspace(linear_start ** 0.5, linear_end ** 0.5, timesteps, dtype=torch.float64) ** 2
 
 
+ZSNR_LAST_ALPHA_CUMPROD = 4.8973451890853435e-08  # ComfyUI's stand-in for 0, which has no finite sigma
+
+
+def rescale_zero_terminal_snr_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
+    """Sigmas of the schedule shifted to zero terminal SNR (Lin et al. 2024, "Common Diffusion Noise Schedules
+    and Sample Steps are Flawed", Algorithm 1) as ComfyUI: sqrt(alpha_bar) shifted so its last value is 0 and
+    scaled so its first is kept; the last alpha_bar is then ZSNR_LAST_ALPHA_CUMPROD."""
+    root = (1 / (sigmas * sigmas + 1)).sqrt()  # sqrt(alpha_bar), (T,)
+    first, last = root[0].clone(), root[-1].clone()
+    root = (root - last) * (first / (first - last))
+    alphas_cumprod = root ** 2
+    alphas_cumprod[-1] = ZSNR_LAST_ALPHA_CUMPROD
+    return ((1 - alphas_cumprod) / alphas_cumprod) ** 0.5
+
+
 class DiscreteSchedule:
     """A discrete-time VP schedule (DDPM) seen as a table of k-diffusion sigmas, one per timestep."""
 
     def __init__(self, betas: torch.Tensor | None = None, linear_start: float = 0.00085,
-                 linear_end: float = 0.012, timesteps: int = 1000, quantize: bool = True):
+                 linear_end: float = 0.012, timesteps: int = 1000, quantize: bool = True, zsnr: bool = False):
         if betas is None:
             betas = scaled_linear_betas(linear_start, linear_end, timesteps)
         betas = torch.as_tensor(betas, dtype=torch.float64)
         if betas.ndim != 1 or len(betas) < 2 or not bool(((betas > 0) & (betas < 1)).all()):
             raise ValueError(f"betas must be a 1-D tensor of at least 2 values in (0, 1); got shape "
                              f"{tuple(betas.shape)}")
-        self.alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
-        self.sigmas = ((1 - self.alphas_cumprod) / self.alphas_cumprod).sqrt().float()  # (T,) ascending
+        alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
+        sigmas = ((1 - alphas_cumprod) / alphas_cumprod).sqrt()  # (T,) ascending, float64
+        self.zsnr = zsnr  # rescaled to zero terminal SNR (ModelSamplingDiscrete's zsnr)
+        self.sigmas = (rescale_zero_terminal_snr_sigmas(sigmas) if zsnr else sigmas).float()
         self.log_sigmas = self.sigmas.log()
         self.quantize = quantize  # timestep() rounds to the nearest trained timestep, as ComfyUI does
 
@@ -67,13 +84,13 @@ class DiscreteSchedule:
         return self.sigma_to_t(sigma, quantize=self.quantize)
 
     def percent_to_sigma(self, percent: float) -> float:
-        """Sigma at a fraction of the way through sampling, as ComfyUI's ModelSamplingDiscrete: the table's
-        sigma at timestep (1 - percent) * 999 (the last timestep); 999999999.9 at 0, 0.0 at 1."""
+        """Sigma a fraction of the way through sampling (ComfyUI's: huge at 0, 0.0 at 1, else the sigma at
+        timestep (1 - percent) * 999, whatever the table's length)."""
         if percent <= 0.0:
             return 999999999.9
         if percent >= 1.0:
             return 0.0
-        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * (len(self.sigmas) - 1))))
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * 999.0)))
 
 
 def _expand(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +131,51 @@ class VPrediction(EpsPrediction):
         c_skip = self.sigma_data ** 2 / (sigma ** 2 + self.sigma_data ** 2)
         c_out = -sigma * self.sigma_data / (sigma ** 2 + self.sigma_data ** 2).sqrt()
         return c_skip * x + c_out * model_output
+
+
+class X0Prediction(EpsPrediction):
+    """A network that predicts the clean sample itself (ComfyUI's X0): the denoised output is the output."""
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        return model_output
+
+
+class LCMPrediction(EpsPrediction):
+    """Latent Consistency Models (Luo et al. 2023) as ComfyUI's ModelSamplingDiscrete "lcm": the table keeps
+    the 50 timesteps of LCM's distillation (19, 39, ..., 999), and the network's eps prediction goes through
+    the consistency boundary condition, c_skip x + c_out x0 at timestep scaling 10 and sigma_data 0.5."""
+
+    original_timesteps = 50
+    timestep_scaling = 10.0
+    boundary_sigma_data = 0.5
+
+    def __init__(self, zsnr: bool = False):
+        super().__init__(zsnr=zsnr)
+        full = self.sigmas
+        self.skip_steps = len(full) // self.original_timesteps
+        kept = [len(full) - 1 - i * self.skip_steps for i in range(self.original_timesteps)]
+        self.sigmas = full[kept].flip(0)  # (50,) ascending
+        self.log_sigmas = self.sigmas.log()
+
+    def sigma_to_t(self, sigma: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+        """The distilled timestep: 19, 39, ..., 999 for the table's sigmas (fractional between them)."""
+        return super().sigma_to_t(sigma, quantize) * self.skip_steps + (self.skip_steps - 1)
+
+    def t_to_sigma(self, t: torch.Tensor) -> torch.Tensor:
+        return super().t_to_sigma((torch.as_tensor(t, dtype=torch.float32) - (self.skip_steps - 1))
+                                  / self.skip_steps)
+
+    def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
+        return self.sigma_to_t(sigma, quantize=True)
+
+    def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
+                           x: torch.Tensor) -> torch.Tensor:
+        scaled = _expand(self.timestep(torch.as_tensor(sigma).cpu()).to(x.device), x) * self.timestep_scaling
+        x0 = x - model_output * _expand(sigma, x)
+        c_skip = self.boundary_sigma_data ** 2 / (scaled ** 2 + self.boundary_sigma_data ** 2)
+        c_out = scaled / (scaled ** 2 + self.boundary_sigma_data ** 2) ** 0.5
+        return c_out * x0 + c_skip * x
 
 
 class RectifiedFlow:
@@ -232,7 +294,19 @@ def flux_shift_for(width: int, height: int, base_shift: float = 0.5, max_shift: 
     return width * height / (8 * 8 * 2 * 2) * slope + base_shift - slope * 256
 
 
-ModelSampling = EpsPrediction | VPrediction | FlowMatching | FluxFlowMatching
+ModelSampling = EpsPrediction | VPrediction | X0Prediction | LCMPrediction | FlowMatching | FluxFlowMatching
+
+# ComfyUI's ModelSamplingDiscrete choices: what an SD network predicts on the standard scaled-linear schedule
+DISCRETE_PREDICTIONS: dict[str, type[EpsPrediction]] = {"eps": EpsPrediction, "v_prediction": VPrediction,
+                                                        "lcm": LCMPrediction, "x0": X0Prediction}
+
+
+def discrete_model_sampling(prediction: str, zsnr: bool = False) -> EpsPrediction:
+    """The model sampling of ModelSamplingDiscrete: `prediction` (eps, v_prediction, lcm, x0) on SD's
+    schedule, rescaled to zero terminal SNR when `zsnr`."""
+    if prediction not in DISCRETE_PREDICTIONS:
+        raise ValueError(f"unknown sampling {prediction!r}; accepted: {', '.join(DISCRETE_PREDICTIONS)}")
+    return DISCRETE_PREDICTIONS[prediction](zsnr=zsnr)
 
 UnetFn = Callable[..., torch.Tensor]  # unet_fn(x_in, timesteps, context, y=None[, guidance=]) -> model output
 
@@ -242,12 +316,17 @@ class Denoiser:
     """Wraps `unet_fn(x_in, timesteps, context, y=None)` into a k-diffusion denoiser `(x, sigma) -> x0`.
 
     `guidance` (B,), the strength a guidance-distilled model (FLUX) is conditioned on, reaches `unet_fn` as
-    `guidance=` only when given, so networks without that input need not accept it. `concat` (B, C', H, W),
-    the extra input channels of inpainting UNets (ComfyUI's c_concat), follows the scaled input x.
+    `guidance=` only when given, so networks without that input need not accept it; so do further keyword
+    inputs (a ControlNet's `control=`). `concat` (B, C', H, W), the extra input channels of inpainting UNets
+    (ComfyUI's c_concat), follows the scaled input x. The guided denoisers (guidance.py) read `cfg_function`,
+    the model's replacement of the CFG mix, and `resolve`, which turns the model's CONDITIONING into sampler
+    entries for a (width, height) pixel image (for cfg functions that predict further prompts).
     """
 
     unet_fn: UnetFn
     model_sampling: ModelSampling
+    cfg_function: Callable[..., torch.Tensor] | None = None  # CfgInputs -> guided x0 (RescaleCFG, PerpNeg)
+    resolve: Callable[[list, int, int], list] | None = None  # (CONDITIONING, width, height) -> entries
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
@@ -257,7 +336,9 @@ class Denoiser:
         if concat is not None:
             x_in = torch.cat([x_in, concat.to(x_in)], dim=1)  # (B, C + C', H, W)
         timesteps = self.model_sampling.timestep(sigma.cpu()).to(x.device)
-        options = {} if guidance is None else {"guidance": guidance}
+        options = {key: value for key, value in extra.items() if value is not None}
+        if guidance is not None:
+            options["guidance"] = guidance
         model_output = self.unet_fn(x_in, timesteps, context, y=y, **options)
         return self.model_sampling.calculate_denoised(sigma, model_output.to(x.dtype), x)
 

@@ -218,8 +218,8 @@ def test_flux_guidance_copies_the_conditioning_and_sd_models_ignore_it(embedded)
     (guided,) = FluxGuidance().run(None, positive, 4.5)
     assert [extras for _, extras in positive] == before and "guidance" not in positive[0][1]
     assert all(extras["guidance"] == 4.5 for _, extras in guided) and guided[0][0] is positive[0][0]
-    assert embedded["model"].guidance_conditioning(guided, SIZE, SIZE).guidance == 4.5
-    assert embedded["model"].guidance_conditioning(positive, SIZE, SIZE).guidance is None
+    assert embedded["model"].guidance_conditioning(guided, SIZE, SIZE)[0].guidance == 4.5
+    assert embedded["model"].guidance_conditioning(positive, SIZE, SIZE)[0].guidance is None
     (negative,) = FluxGuidance().run(None, embedded["negative"], 2.0)
     (guider,) = cs.CFGGuider().run(None, embedded["model"], guided, negative, 7.0)
     output, _ = advanced(embedded, SeededNoise(SEED), guider)

@@ -174,9 +174,15 @@ def test_denoiser_and_cfg_feed_the_concat_channels_after_the_scaled_input():
     assert torch.allclose(seen[0][:, :4], x.repeat(2, 1, 1, 1) / math.sqrt(2))  # calculate_input at sigma 1
     assert torch.equal(seen[0][:2, 4:], concat_pos.expand(2, 5, 2, 2))  # cond rows first
     assert torch.equal(seen[0][2:, 4:], concat_neg.expand(2, 5, 2, 2))
-    with pytest.raises(ValueError, match="both carry the inpainting model's extra channels"):
-        CFGDenoiser(Denoiser(unet, EpsPrediction()), Conditioning(POSITIVE.context, concat=concat_pos),
-                    NEGATIVE, 3.0)(x, torch.tensor(1.0))
+    seen.clear()  # entries batch only when they agree on having a concat (ComfyUI's can_concat of c_concat)
+    CFGDenoiser(Denoiser(unet, EpsPrediction()), Conditioning(POSITIVE.context, concat=concat_pos), NEGATIVE,
+                3.0)(x, torch.tensor(1.0))
+    assert sorted(t.shape[1] for t in seen) == [4, 9]
+    seen.clear()  # an entry's concat is cut to its area, as the latent (CONDNoiseShape.process_cond)
+    concat = torch.arange(20.0).reshape(1, 5, 2, 2)
+    entry = Conditioning(POSITIVE.context, concat=concat, area=(1, 2, 1, 0))
+    CFGDenoiser(Denoiser(unet, EpsPrediction()), entry, None, 1.0)(x, torch.tensor(1.0))
+    assert torch.equal(seen[0][:, 4:], concat[:, :, 1:2, :].expand(2, 5, 1, 2))
 
 
 def test_cfg_pp_sees_the_unblended_unconditional_prediction_through_the_mask():
