@@ -23,6 +23,7 @@ from engine.sampling.model_sampling import EpsPrediction
 from nodes import custom_sampling as cs
 from nodes.inpaint import InpaintModelConditioning, VAEEncodeForInpaint
 from nodes.latent_ops import LatentFromBatch
+from nodes.model_patches import PerpNegGuider
 from nodes.sampling import KSampler, KSamplerAdvanced
 
 SCALE = 0.18215
@@ -323,3 +324,17 @@ def test_samplers_give_a_latent_from_a_batch_the_noise_it_had_in_the_batch(plain
                                     cs.KSamplerSelect().run(None, "euler")[0], sigmas, third)
     assert torch.allclose(out["samples"], whole["samples"][2:], rtol=1e-4, atol=1e-3)
     assert not torch.allclose(whole["samples"][1:2], whole["samples"][2:], rtol=1e-2)
+
+
+def test_every_guider_feeds_the_inpainting_unet(inpaint_model):
+    positive, negative, latent = InpaintModelConditioning().run(ctx(), prompt(0.5), prompt(-0.5), StubVAE(),
+                                                                image(64, 64), left_half_mask(), True)
+    (sigmas,) = cs.BasicScheduler().run(None, inpaint_model, "normal", 2, 1.0)
+    (guider,) = PerpNegGuider().run(None, inpaint_model, positive, negative, prompt(0.0), 5.0, 1.0)
+    inpaint_model.seen.clear()
+    cs.SamplerCustomAdvanced().run(ctx(), cs.RandomNoise().run(None, 1)[0], guider,
+                                   cs.KSamplerSelect().run(None, "euler")[0], sigmas, latent)
+    mask = torch.zeros(8, 8)
+    mask[:, :4] = 1.0
+    for x in inpaint_model.seen:  # the empty prompt has no concat options: the noise mask and the latent
+        assert x.shape[1] == 9 and torch.equal(x[:, 4], mask.expand(x.shape[0], 8, 8))
