@@ -23,6 +23,9 @@ import numpy as np
 import torch
 
 from engine.jsonfile import JsonInputError, load_json
+from engine.quant.dequant import dequantize
+from engine.quant.gguf_file import GGUFFormatError, read_gguf_header
+from engine.quant.types import DEQUANTIZABLE
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -500,8 +503,6 @@ class GGUFCheckpointReader(CheckpointReader):
     format = "gguf"
 
     def __init__(self, path: Path):
-        from engine.quant.gguf_file import GGUFFormatError, read_gguf_header
-
         try:
             header = read_gguf_header(path)
         except GGUFFormatError as exc:
@@ -533,8 +534,6 @@ class GGUFCheckpointReader(CheckpointReader):
         """The tensor's stored bytes, uint8 (rows, row_bytes), rows of the innermost GGUF dim; read into `out`
         (a contiguous CPU uint8 tensor of `nbytes(key)` elements, pinned memory for instance) when given.
         Types engine.quant.dequantize cannot turn into floats are an error naming the tensor."""
-        from engine.quant.types import DEQUANTIZABLE
-
         info = self.info(key)
         entry = self.header.tensors[key]
         if info.dtype is None and info.type_name not in DEQUANTIZABLE:
@@ -560,8 +559,6 @@ class GGUFCheckpointReader(CheckpointReader):
         return out.view(entry.nbytes // row_bytes if row_bytes else 0, row_bytes)
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
-        from engine.quant.dequant import dequantize
-
         raw = self.get_raw(key)
         if info.dtype is None:
             return dequantize(raw, info.type_name, info.shape)

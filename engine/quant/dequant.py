@@ -27,8 +27,9 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...],
     """The tensor of logical torch-order `shape` held in `raw` (uint8, any shape, the tensor's bytes) as
     GGML type `qtype`, in `dtype`, on raw's device. The elements come in the stored order, so `shape` may
     be the GGUF shape reversed or any reshaping of it (ComfyUI-GGUF's `comfy.gguf.orig_shape`).
-    F32/F16/BF16 input whose dtype is `dtype` comes back as a view of `raw` (no copy); every other result
-    is a new tensor."""
+    F32/F16/BF16 input whose dtype is `dtype` comes back as a view of `raw` (no copy; raw must then be
+    aligned to the element size, as GGUF data and torch allocations are); every other result is a new
+    tensor, and the quantised types take bytes at any alignment."""
     t = ggml_type(qtype)
     if raw.dtype != torch.uint8:
         raise TypeError(f"dequantize takes the tensor's bytes as uint8, got {raw.dtype}")
@@ -42,8 +43,6 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...],
     if raw.numel() != n_blocks * t.type_size:
         raise ValueError(f"{t.name} tensor of shape {shape} takes {n_blocks * t.type_size} bytes, "
                          f"got {raw.numel()}")
-    if not raw.is_contiguous() or raw.storage_offset() % 4:  # the scale views below need aligned bytes
-        raw = raw.clone(memory_format=torch.contiguous_format)
     if t.name in PLAIN_DTYPES:
         return raw.reshape(-1).view(PLAIN_DTYPES[t.name]).reshape(shape).to(dtype)
     blocks = raw.reshape(n_blocks, t.type_size)
@@ -54,26 +53,30 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...],
 
 
 def _half(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    """The fp16 stored at byte `offset` of each block, as float32: (n_blocks, 1)."""
-    return blocks[:, offset:offset + 2].view(torch.float16).float()
+    """The fp16 stored (little-endian) at byte `offset` of each block, as float32: (n_blocks, 1). Built from
+    the two bytes, so the bytes need no alignment."""
+    low, high = blocks[:, offset:offset + 1], blocks[:, offset + 1:offset + 2]
+    return ((high.to(torch.int32) << 8) | low).to(torch.int16).view(torch.float16).float()
+
+
+def _constant(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant tensor on `device`: made once per device when eager (a host-to-device copy waits
+    for the stream, so it is not repeated per call), a constant of the graph under torch.compile."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
+    return _cached_constant(values, dtype, device)
 
 
 @functools.cache
-def _shifts(step: int, count: int, device: torch.device) -> torch.Tensor:
-    """(count, 1) uint8 shift amounts 0, step, 2*step, ... made on `device` once."""
-    return torch.arange(0, step * count, step, dtype=torch.uint8, device=device).view(count, 1)
-
-
-@functools.cache
-def _iq4_levels(device: torch.device) -> torch.Tensor:
-    return torch.tensor(IQ4_LEVELS, dtype=torch.int8).to(device)
+def _cached_constant(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype).to(device)
 
 
 def _fields(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Split each byte of `packed` (..., k) into its 8/bits fields of `bits` bits, lowest first:
     (..., 8/bits, k), field j of byte i at [..., j, i] (ggml's layout: the k low fields come first)."""
-    count = 8 // bits
-    return (packed.unsqueeze(-2) >> _shifts(bits, count, packed.device)) & ((1 << bits) - 1)
+    shifts = _constant(tuple(range(0, 8, bits)), torch.uint8, packed.device).view(-1, 1)
+    return (packed.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
 
 
 def _scaled(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -132,7 +135,7 @@ def _q8_0(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _iq4_nl(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # d: fp16, qs[16] as Q4_0, each nibble an index into IQ4_LEVELS
-    q = _iq4_levels(blocks.device)[_fields(blocks[:, 2:], 4).int()]  # (n, 2, 16)
+    q = _constant(IQ4_LEVELS, torch.int8, blocks.device)[_fields(blocks[:, 2:], 4).int()]  # (n, 2, 16)
     return _scaled(q, _half(blocks, 0).unsqueeze(-1), dtype)
 
 
@@ -208,7 +211,7 @@ def _iq4_xs(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     scales = (low_scale | (high_scale << 4)).view(torch.int8) - 32
     scale = _half(blocks, 0) * scales  # (n, 8)
     index = _fields(blocks[:, 8:].reshape(-1, 8, 16), 4).reshape(-1, 8, 32)
-    q = _iq4_levels(blocks.device)[index.int()]
+    q = _constant(IQ4_LEVELS, torch.int8, blocks.device)[index.int()]
     return _scaled(q, scale.unsqueeze(-1), dtype)
 
 

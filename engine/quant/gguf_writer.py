@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.quant.gguf_file import DEFAULT_ALIGNMENT, MAGIC
+from engine.quant.gguf_file import DEFAULT_ALIGNMENT, MAGIC, MAX_DIMS
 from engine.quant.types import GGML_TYPES
 
 MAX_NAME_LENGTH = 127  # ComfyUI-GGUF's limit (stable-diffusion.cpp's ggml allows 159, llama.cpp's 63)
@@ -79,6 +79,9 @@ def _check_plans(plans: Sequence[GGUFTensorPlan]) -> None:
         if len(plan.name.encode()) > MAX_NAME_LENGTH:
             raise ValueError(f"tensor name '{plan.name}' has {len(plan.name.encode())} bytes; ComfyUI-GGUF "
                              f"reads at most {MAX_NAME_LENGTH}")
+        if len(plan.shape) > MAX_DIMS:
+            raise ValueError(f"tensor '{plan.name}' of shape {plan.shape} has {len(plan.shape)} dims; GGUF "
+                             f"holds at most {MAX_DIMS}")
         if plan.type_name not in GGML_TYPES:
             raise ValueError(f"tensor '{plan.name}': unknown GGML type {plan.type_name!r}")
         block = GGML_TYPES[plan.type_name].block_size

@@ -197,4 +197,7 @@ def test_a_tensor_gguf_cannot_hold_is_refused_and_no_file_is_left(tmp_path):
     save_file({"mask": torch.ones(4, dtype=torch.bool), "w": torch.randn(4, 32)}, tmp_path / "m.safetensors")
     with pytest.raises(CheckpointError, match=r"'mask' of .*m\.safetensors is BOOL, which GGUF cannot"):
         convert_checkpoint(tmp_path / "m.safetensors", tmp_path / "m.gguf", "q8_0")
+    save_file({"patch.weight": torch.randn(4, 2, 1, 2, 2)}, tmp_path / "video.safetensors")
+    with pytest.raises(ValueError, match=r"'patch.weight' of shape \(4, 2, 1, 2, 2\) has 5 dims; GGUF"):
+        convert_checkpoint(tmp_path / "video.safetensors", tmp_path / "m.gguf", "q8_0")
     assert not list(tmp_path.glob("m.gguf*"))

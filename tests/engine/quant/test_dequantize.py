@@ -115,3 +115,14 @@ def test_every_quantised_type_has_a_dequantiser_and_the_table_agrees_with_gguf()
         qtype = gguf.GGMLQuantizationType[name]
         assert (t.type_id, t.block_size, t.type_size) == (int(qtype), *gguf.GGML_QUANT_SIZES[qtype])
     assert set(GGML_TYPES) == {q.name for q in gguf.GGMLQuantizationType}
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0", "IQ4_XS"])
+def test_dequantize_traces_as_one_graph_for_torch_compile(qtype):
+    t = GGML_TYPES[qtype]
+    blocks = random_blocks(qtype, 4 * 2048 // t.block_size, seed=11)
+    torch._dynamo.reset()
+    # fullgraph: a graph break (a .item(), a data-dependent shape) is an error
+    traced = torch.compile(dequantize, backend="eager", fullgraph=True, dynamic=False)
+    ours = traced(torch.from_numpy(blocks.reshape(4, -1)), qtype, (4, 2048), torch.bfloat16)
+    assert_bits_equal(ours, reference(blocks, qtype, 4).to(torch.bfloat16))
