@@ -4,14 +4,13 @@ Q4_K streamed under a 4 GiB budget, and the time to quantise the bf16 weights to
     python3 bench/quant.py          # on a GPU: full-size FLUX-dev shapes, random weights, 1024x1024, batch 1
     python3 bench/quant.py --tiny   # a CPU smoke run of the same program on a tiny FLUX-shaped model
 
-Weights are random (speed does not depend on their values): bf16 as bench/memory.py draws them; Q8_0 made
-from those by engine.quant's quantiser on the compute device, through the loader's own path
+Weights are random (speed does not depend on their values): bf16 as bench/memory.py draws them; Q8_0 and Q4_K
+made from those by engine.quant's quantisers on the compute device, through the loader's own path
 (engine/quant/loading.py: quantise_model over a reader of the bf16 weights, then registration resident),
 which is the timed "quantise on load" (the file read itself is left out: the bf16 weights are in pinned
-RAM); Q4_K as random valid blocks (small fp16 scales, random 6-bit sub-scales and 4-bit values), since
-engine.quant writes no K type. Which weights are quantised follows stable-diffusion.cpp's rules
-(engine.quant.quantize.tensor_type_rules; Q4_K also needs rows of whole 256-element blocks). Every layer
-dequantises its weight to bf16 as it runs (engine/quant/modules.py).
+RAM). Which weights are quantised follows stable-diffusion.cpp's rules (engine.quant.quantize's
+tensor_type_rules: rows of whole blocks, embedders and norms kept). Every layer dequantises its weight to
+bf16 as it runs (engine/quant/modules.py).
 
 Rows as bench/flux.py (bench/memory.py's table): median step (CUDA events), peak allocated and reserved GiB,
 GiB copied per step. Then issue 17's targets: Q8_0 resident <= 1.10x and Q4_K resident <= 1.25x the bf16
@@ -56,9 +55,7 @@ from engine.models.flux import FluxConfig, FluxTransformer, flux_axes_dim, flux_
 from engine.models.formats import CheckpointReader, TensorInfo  # noqa: E402
 from engine.placement import MemorySettings  # noqa: E402
 from engine.quant.loading import WeightTypes, quantise_model  # noqa: E402
-from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules, raw_shape  # noqa: E402
-from engine.quant.quantize import tensor_type_rules  # noqa: E402
-from engine.quant.types import GGML_TYPES  # noqa: E402
+from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules  # noqa: E402
 from engine.telemetry import EventBus  # noqa: E402
 
 BUDGET = 4 * GIB  # the streamed Q4_K point
@@ -91,26 +88,6 @@ class WeightsReader(CheckpointReader):
         self.tensors = {}
 
 
-def quantised_names(model: torch.nn.Module, qtype: str) -> dict[str, QuantSpec]:
-    """The weights stable-diffusion.cpp's rules quantise to `qtype` (rows of whole blocks of it)."""
-    eligible = tensor_type_rules("Q8_0")
-    block = GGML_TYPES[qtype].block_size
-    shapes = {name: tuple(layer.weight.shape) for name, layer in quantisable_weights(model).items()}
-    return {name: QuantSpec(qtype, shape) for name, shape in shapes.items()
-            if eligible(name, shape) and shape[-1] % block == 0}
-
-
-def random_q4_k(spec: QuantSpec, device: torch.device, generator: torch.Generator) -> torch.Tensor:
-    """Random valid Q4_K blocks of `spec` whose values are of order 1/sqrt(fan in)."""
-    rows, row_bytes = raw_shape("Q4_K", spec.shape)
-    raw = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, device=device, generator=generator)
-    blocks = raw.view(-1, 144)
-    d = 1.0 / (spec.shape[-1] ** 0.5 * 31 * 7.5)  # scale * 6-bit sub-scale * 4-bit value ~ 1/sqrt(fan in)
-    blocks[:, 0:2].view(torch.float16).fill_(d)
-    blocks[:, 2:4].view(torch.float16).fill_(d * 7.5)  # min: centres the values on zero
-    return raw
-
-
 def to_home(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Where bench/memory.py keeps source weights: pinned RAM when computing on CUDA."""
     if device.type != "cuda":
@@ -118,24 +95,16 @@ def to_home(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)
 
 
-def q4_k_weights(build: Callable[[], FluxTransformer], bf16: dict[str, torch.Tensor], device: torch.device,
-                 ) -> tuple[dict[str, QuantSpec], dict[str, torch.Tensor]]:
-    specs = quantised_names(build(), "Q4_K")
-    generator = torch.Generator(device).manual_seed(0)
-    weights = {name: to_home(random_q4_k(specs[name], device, generator), device) if name in specs else tensor
-               for name, tensor in bf16.items()}
-    return specs, weights
-
-
 def quantise_on_load(build: Callable[[], FluxTransformer], bf16: dict[str, torch.Tensor],
-                     device: torch.device) -> tuple[float, dict[str, QuantSpec], dict[str, torch.Tensor]]:
-    """(seconds to build, quantise to Q8_0 on the device and register resident, the specs, the Q8_0 weights
-    read back to the home weights live in): the loader's own path."""
+                     device: torch.device, qtype: str,
+                     ) -> tuple[float, dict[str, QuantSpec], dict[str, torch.Tensor]]:
+    """(seconds to build, quantise to `qtype` on the device and register resident, the specs, the quantised
+    weights read back to where source weights live): the loader's own path."""
     synchronize(device)
     release_garbage(device)
     began = time.perf_counter()
     model = build()
-    reader = quantise_model(model, WeightsReader(bf16), lambda name: name, WeightTypes("Q8_0"), device)
+    reader = quantise_model(model, WeightsReader(bf16), lambda name: name, WeightTypes(qtype), device)
     ledger = DeviceLedger(device_name(device), 1 << 50)  # no budget: every weight rests on the device
     runtime = MemoryRuntime(MemorySettings(), bus=EventBus(), ledgers={ledger.device_name: ledger})
     name = runtime.register("diffusion", model, "device", device_name(device), reader.get)
@@ -237,14 +206,16 @@ def main() -> int:
     print(format_table([]), flush=True)
     unquantised = f"{str(dtype).removeprefix('torch.')} resident"
     points["bf16"] = run_point(rows, name, unquantised, build, bf16, inputs, device, "device", None, args)
-    quantise_s, q8_specs, q8 = quantise_on_load(build, bf16, device)
+    quantise_s, q8_specs, q8 = quantise_on_load(build, bf16, device, "Q8_0")
     print(f"quantised {len(q8_specs)} weights to Q8_0 on load in {quantise_s:.2f} s "
           f"({weight_gib(q8):.2f} GiB)", flush=True)
     q8_build = quantised_build(config, dtype, q8_specs)
     points["Q8_0"] = run_point(rows, name, f"Q8_0 resident ({weight_gib(q8):.2f} GiB)", q8_build, q8, inputs,
                                device, "device", None, args)
     del q8
-    q4_specs, q4 = q4_k_weights(build, bf16, device)
+    q4_seconds, q4_specs, q4 = quantise_on_load(build, bf16, device, "Q4_K")
+    print(f"quantised {len(q4_specs)} weights to Q4_K on load in {q4_seconds:.2f} s "
+          f"({weight_gib(q4):.2f} GiB)", flush=True)
     del bf16
     gc.collect()
     q4_build = quantised_build(config, dtype, q4_specs)
@@ -262,7 +233,8 @@ def main() -> int:
     stem = args.out / f"quant_{'tiny_' if tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(
         {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
-         "quantise_q8_0_on_load_s": quantise_s, "rows": [asdict(r) for r in rows], "targets": targets},
+         "quantise_q8_0_on_load_s": quantise_s, "quantise_q4_k_on_load_s": q4_seconds,
+         "rows": [asdict(r) for r in rows], "targets": targets},
         indent=2))
     stem.with_suffix(".log").write_text(format_table(rows) + "\n" + "\n".join(targets) + "\n")
     print(f"wrote {stem}.json and .log")
