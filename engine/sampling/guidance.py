@@ -2,9 +2,9 @@
 
 A side of the guidance (the positive prompt, the negative one, PerpNeg's empty prompt, DualCFG's middle
 prompt) is a list of `Conditioning` entries, as a ComfyUI CONDITIONING is a list of [cond, {options}]. An
-entry carries what the model call needs (context, the vector y, the guidance strength of distilled models)
-and where and when it applies: an area of the latent, a mask and its strength, a weight (strength), a sigma
-range, and a control (ControlNet) computed in its model call.
+entry carries what the model call needs (context, the vector y, the guidance strength of distilled models,
+the extra input channels of inpainting models) and where and when it applies: an area of the latent, a mask
+and its strength, a weight (strength), a sigma range, and a control (ControlNet) computed in its model call.
 
 `calc_cond_batch` predicts x0 for every side as ComfyUI's calc_cond_batch (comfy/samplers.py): each entry's
 crop of x (its area) is predicted, added to its side's output times the entry's multiplier (mask * mask
@@ -65,6 +65,8 @@ class Conditioning:
     context: torch.Tensor  # (B, T, C): cross-attention context (B = 1 repeats over the latent batch)
     y: torch.Tensor | None = None  # (B, D): the vector condition (SDXL's ADM, FLUX's pooled CLIP-L)
     guidance: float | None = None  # FluxGuidance's value; None: the model takes no guidance input
+    concat: torch.Tensor | None = None  # (B, C', H, W) at the latent's size: channels an inpainting UNet
+    # takes after the latent's (ComfyUI's c_concat), cropped to the area as the latent is
     area: tuple[int, int, int, int] | None = None  # (height, width, top, left) in latent cells; None: all
     mask: torch.Tensor | None = None  # (B or 1, h, w) at the latent's size: the entry's weight per cell
     mask_strength: float = 1.0  # multiplies the mask
@@ -83,6 +85,9 @@ class Conditioning:
         if self.area is not None and (len(self.area) != 4 or min(self.area) < 0 or min(self.area[:2]) < 1):
             raise ValueError(f"conditioning area must be (height, width, top, left) in latent cells, size at "
                              f"least 1 and offsets at least 0; got {self.area}")
+        if self.concat is not None and self.concat.ndim != 4:
+            raise ValueError(f"conditioning concat must be (batch, channels, height, width); got shape "
+                             f"{tuple(self.concat.shape)}")
         if self.mask is not None and self.mask.ndim != 3:
             raise ValueError(f"conditioning mask must be (batch, height, width); got shape "
                              f"{tuple(self.mask.shape)}")
@@ -280,9 +285,19 @@ def _batches_with(piece: _Piece, first: _Piece) -> bool:
         return False
     if (a.y is None) != (b.y is None) or (a.y is not None and a.y.shape[1:] != b.y.shape[1:]):
         return False
-    if (a.guidance is None) != (b.guidance is None):
+    if (a.guidance is None) != (b.guidance is None) or (a.concat is None) != (b.concat is None):
+        return False
+    if a.concat is not None and a.concat.shape[:2] != b.concat.shape[:2]:
         return False
     return _contexts_batch(a.context, b.context)
+
+
+def _crop(t: torch.Tensor, area: tuple[int, int, int, int] | None) -> torch.Tensor:
+    """t (B, C, H, W) cut to the area (ComfyUI's CONDNoiseShape.process_cond)."""
+    if area is None:
+        return t
+    h, w, top, left = area
+    return t[:, :, top:top + h, left:left + w]
 
 
 def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args: Mapping[str, Any],
@@ -297,6 +312,8 @@ def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args:
     if first.guidance is not None:
         inputs["guidance"] = torch.cat([torch.full((batch,), float(p.entry.guidance), device=x.device)
                                         for p in group])  # (chunks * B,)
+    if first.concat is not None:
+        inputs["concat"] = torch.cat([repeat_to_batch(_crop(p.entry.concat, p.area), batch) for p in group])
     sigmas = sigma.repeat(chunks)  # (chunks * B,)
     if first.control is not None:
         batch_inputs = {"context": inputs["context"], "y": inputs["y"], "guidance": inputs.get("guidance")}

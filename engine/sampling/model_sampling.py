@@ -84,13 +84,13 @@ class DiscreteSchedule:
         return self.sigma_to_t(sigma, quantize=self.quantize)
 
     def percent_to_sigma(self, percent: float) -> float:
-        """Sigma a fraction of the way through sampling (ComfyUI's: huge at 0, 0.0 at 1, else the sigma at
-        timestep (1 - percent) * 999, whatever the table's length)."""
+        """Sigma at a fraction of the way through sampling, as ComfyUI's ModelSamplingDiscrete: the table's
+        sigma at timestep (1 - percent) * 999 (the last timestep); 999999999.9 at 0, 0.0 at 1."""
         if percent <= 0.0:
             return 999999999.9
         if percent >= 1.0:
             return 0.0
-        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * 999.0)))
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * (len(self.sigmas) - 1))))
 
 
 def _expand(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +168,13 @@ class LCMPrediction(EpsPrediction):
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return self.sigma_to_t(sigma, quantize=True)
+
+    def percent_to_sigma(self, percent: float) -> float:
+        """As the full schedule's: the sigma at timestep (1 - percent) * 999 of the undistilled timesteps."""
+        if percent <= 0.0 or percent >= 1.0:
+            return super().percent_to_sigma(percent)
+        last = self.skip_steps * self.original_timesteps - 1  # 999
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * last)))
 
     def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
                            x: torch.Tensor) -> torch.Tensor:
@@ -317,9 +324,10 @@ class Denoiser:
 
     `guidance` (B,), the strength a guidance-distilled model (FLUX) is conditioned on, reaches `unet_fn` as
     `guidance=` only when given, so networks without that input need not accept it; so do further keyword
-    inputs (a ControlNet's `control=`). The guided denoisers (guidance.py) read `cfg_function`, the model's
-    replacement of the CFG mix, and `resolve`, which turns the model's CONDITIONING into sampler entries for a
-    (width, height) pixel image (for cfg functions that predict further prompts).
+    inputs (a ControlNet's `control=`). `concat` (B, C', H, W), the extra input channels of inpainting UNets
+    (ComfyUI's c_concat), follows the scaled input x. The guided denoisers (guidance.py) read `cfg_function`,
+    the model's replacement of the CFG mix, and `resolve`, which turns the model's CONDITIONING into sampler
+    entries for a (width, height) pixel image (for cfg functions that predict further prompts).
     """
 
     unet_fn: UnetFn
@@ -329,9 +337,11 @@ class Denoiser:
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor | None = None,
                  y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
-                 **extra: object) -> torch.Tensor:
+                 concat: torch.Tensor | None = None, **extra: object) -> torch.Tensor:
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])  # (B,)
         x_in = self.model_sampling.calculate_input(sigma, x)
+        if concat is not None:
+            x_in = torch.cat([x_in, concat.to(x_in)], dim=1)  # (B, C + C', H, W)
         timesteps = self.model_sampling.timestep(sigma.cpu()).to(x.device)
         options = {key: value for key, value in extra.items() if value is not None}
         if guidance is not None:
