@@ -1,5 +1,5 @@
 """The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes, devices,
-plan).
+plan, inspect, convert, serve).
 
 Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
 This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
@@ -39,7 +39,16 @@ class CommandError(Exception):
 # -- shared steps --
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings(models_root=args.models, output_dir=args.output, plugins_dir=args.plugins)
+    settings = load_settings(models_root=args.models, output_dir=args.output, plugins_dir=args.plugins)
+    named = args.models or os.environ.get("SLUICE_MODELS")  # the default folder need not exist yet
+    source = "--models" if args.models else "SLUICE_MODELS"
+    if named and settings.models_root.exists() and not settings.models_root.is_dir():
+        raise CommandError(f"{source}: {settings.models_root} is not a folder; accepted: a folder of models "
+                           f"(checkpoints/, loras/, vae/, ...)")
+    if named and not settings.models_root.exists():
+        print(f"sluice: warning: {source}: models folder {settings.models_root} does not exist; only the "
+              f"embedded model will be found", file=sys.stderr)
+    return settings
 
 
 def _registry(settings: Settings) -> NodeRegistry:
@@ -133,7 +142,7 @@ def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
 MEMORY_FLAGS = ("backend", "params_backend", "split_mode", "max_vram", "flash_attn", "conv_direct",
                 "auto_fit", "vae_tiling", "cuda_graphs", "clip_on_cpu", "vae_on_cpu", "control_net_cpu",
                 "offload_to_cpu", "dit_offload", "text_encoder_offload", "vae_offload", "disable_prefetch",
-                "disable_segmented_compute")
+                "disable_segmented_compute", "weight_type", "tensor_type_rules")
 
 
 class MemorySettingsError(Exception):
@@ -195,6 +204,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
+    from engine.graph.job_guard import FORCE_KEY
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -203,6 +213,8 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     registry = _registry(settings)
     workflow = _load_workflow(path, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
+    if getattr(args, "force", False):
+        workflow.settings[FORCE_KEY] = True
     errors = validate(workflow, registry.get)
     if errors:
         for error in errors:
@@ -411,6 +423,11 @@ def _add_run_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
     _add_run_options(parser, suppress=True)
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome trace (Perfetto) of the memory runtime")
+    parser.add_argument("--server", metavar="URL",
+                        help="run on a running `sluice serve` (e.g. http://127.0.0.1:8188), whose models "
+                             "stay loaded between runs; the images still go to the output folder")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="the server's auth token (or SLUICE_AUTH_TOKEN)")
     _add_memory_options(parser)
     parser.set_defaults(handler=command_run)
 
@@ -423,9 +440,15 @@ def _add_run_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
     parser.add_argument("--quiet", action="store_true", default=flag_default, help="no progress lines")
     parser.add_argument("--traceback", action="store_true", default=flag_default,
                         help="print the full traceback of a failed node")
+    parser.add_argument("--force", action="store_true", default=flag_default,
+                        help="run a job whose estimated RAM is over what is available (a huge size or batch)")
 
 
 def command_run(args: argparse.Namespace) -> int:
+    if args.server:
+        from app.server.client import run_on_server
+
+        return run_on_server(args.workflow, args)
     return run_workflow(args.workflow, args)
 
 
@@ -520,17 +543,119 @@ def command_plan(args: argparse.Namespace) -> int:
     registry = _registry(settings)
     workflow = _load_workflow(args.workflow, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
+    problems: list[str] = []
     try:
         runtime = configure_memory(args, workflow)
-        plan = workflow_plan(workflow, settings, runtime)
+        plan = workflow_plan(workflow, settings, runtime, problems)
     except MemorySettingsError as error:
         print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
-    if not plan.choices:
-        print("no model loaders with readable files in this workflow")
-        return EXIT_OK
-    print(plan.format())
+    if plan.choices:
+        print(plan.format())
+    elif not problems:
+        print("no model loaders in this workflow")
+    print(job_memory_line(workflow))
+    for problem in problems:  # a missing, corrupt or refused model file: the run would fail on it
+        print(f"sluice: cannot plan {problem}", file=sys.stderr)
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+def job_memory_line(workflow: Any) -> str:
+    """`sluice plan`'s line on the job's own RAM estimate (engine/graph/job_guard.py)."""
+    import psutil
+
+    from engine.graph.job_guard import GIB, estimated_peak_bytes, largest_image
+
+    width, height, batch, scale = largest_image(workflow)
+    if not width:
+        return "job: no image size in the workflow's widgets"
+    needed, available = estimated_peak_bytes(workflow), psutil.virtual_memory().available
+    return (f"job: largest image {width}x{height} x {batch}" + (f" scaled by {scale:g}" if scale > 1 else "")
+            + f", about {needed / GIB:.2f} GiB of RAM at its peak ({available / GIB:.1f} GiB available"
+            + (", over: `sluice run` refuses it without --force)" if needed > available else ")"))
+
+
+def _add_convert_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser(
+        "convert", parents=[common], help="convert a model file to GGUF, quantising it (--type)",
+        description="Convert a safetensors, .ckpt/.pt or GGUF file to a GGUF file that stable-diffusion.cpp "
+                    "and ComfyUI-GGUF load. Biases, norms, embeddings, 1-D tensors and rows that are not "
+                    "whole blocks keep their stored type, as stable-diffusion.cpp does.")
+    parser.add_argument("input", help="the model file to convert")
+    parser.add_argument("output", help="the .gguf file to write")
+    parser.add_argument("--type", dest="type_name", metavar="TYPE",
+                        help="type of the converted weights: f32, f16, bf16, q8_0, q6_K, q5_K, q5_1, q5_0, "
+                             "q4_K, q4_1, q4_0, q3_K, q2_K (default: every tensor keeps its stored type)")
+    parser.add_argument("--tensor-type-rules", dest="rules", default="", metavar="REGEX=TYPE,...",
+                        help="per-tensor types: the first regex found in a tensor's name gives its type "
+                             "(e.g. 'attn=q8_0,mlp=q4_0')")
+    parser.add_argument("--device", default="auto", help="where to quantise (default: the first GPU)")
+    parser.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help="no progress line")
+    parser.set_defaults(handler=command_convert)
+
+
+def command_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from engine.devices import DeviceError, resolve_device
+    from engine.models.formats import CheckpointError
+    from engine.quant.convert import convert_checkpoint
+    from engine.quant.quantize import tensor_type_rules
+
+    try:
+        tensor_type_rules(args.type_name, args.rules)
+        device = resolve_device(args.device).torch_device
+    except (ValueError, DeviceError) as error:
+        raise CommandError(str(error)) from None
+    if Path(args.output).resolve() == Path(args.input).resolve():
+        raise CommandError(f"convert would overwrite its input {args.input}; give another output file")
+    started = time.perf_counter()
+
+    def progress(index: int, total: int, conversion: Any) -> None:
+        if not args.quiet:
+            print(f"\r[{index + 1}/{total}] {conversion.plan.name[:70]:<70}", end="", file=sys.stderr)
+
+    try:
+        summary = convert_checkpoint(args.input, args.output, args.type_name, args.rules, device, progress)
+    except (OSError, CheckpointError, ValueError) as error:
+        print(f"\nsluice: cannot convert {args.input}: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    if not args.quiet:
+        print(file=sys.stderr)
+    counts = ", ".join(f"{name} {count}" for name, count in sorted(summary.type_counts().items()))
+    size = Path(args.output).stat().st_size
+    print(f"wrote {args.output}: {len(summary.tensors)} tensors ({counts}), {size / 2**30:.2f} GiB, "
+          f"architecture {summary.architecture or 'not detected'}, {time.perf_counter() - started:.1f} s")
     return EXIT_OK
+
+
+def _add_serve_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    from engine.previews import PREVIEW_METHODS
+
+    parser = subparsers.add_parser("serve", parents=[common], help="serve ComfyUI's HTTP and websocket API",
+                                   description="Serve ComfyUI's API (POST /prompt, /ws, /history, /view, "
+                                               "/object_info, ...) so ComfyUI clients drive Sluice's engine.")
+    parser.add_argument("--listen", metavar="ADDR", nargs="?", const="0.0.0.0", default="127.0.0.1",
+                        help="address(es) to listen on, comma-separated (default 127.0.0.1; alone: 0.0.0.0); "
+                             "a non-loopback address needs --auth-token or --insecure")
+    parser.add_argument("--port", type=int, default=8188, help="port (default 8188, ComfyUI's)")
+    parser.add_argument("--auth-token", metavar="TOKEN",
+                        help="every request must carry it (Authorization: Bearer TOKEN); or "
+                             "SLUICE_AUTH_TOKEN")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow a non-loopback --listen without an auth token")
+    parser.add_argument("--max-upload-size", type=float, metavar="MB", default=100,
+                        help="the largest request body in MB (default 100)")
+    parser.add_argument("--preview-method", choices=PREVIEW_METHODS, default="auto",
+                        help="sampling previews sent on the websocket (default auto)")
+    _add_memory_options(parser)
+    parser.set_defaults(handler=command_serve)
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    from app.server.main import serve
+
+    return serve(args)
 
 
 def command_gui(args: argparse.Namespace) -> int:
@@ -578,6 +703,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect_parser(subparsers, common)
     _add_devices_parser(subparsers, common)
     _add_plan_parser(subparsers, common)
+    _add_convert_parser(subparsers, common)
+    _add_serve_parser(subparsers, common)
     return parser
 
 

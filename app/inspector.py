@@ -1,5 +1,7 @@
 """The inspector dock: the selected node's title, mode, widgets with proper editors (descriptions as
-tooltips), its validation and run messages, and a badge for where a model-bearing node computes."""
+tooltips), its validation and run messages, and for a model-bearing node a Device box: where it computes
+(a list of the devices that exist) and where its weights rest (auto, GPU, pinned RAM, disk), with the
+placement the run will use (app/workflow_placement.py) and, when it cannot work, why."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from PySide6.QtWidgets import (
     QComboBox,
     QDoubleSpinBox,
     QFormLayout,
+    QGroupBox,
     QLabel,
     QLineEdit,
     QPlainTextEdit,
@@ -22,10 +25,15 @@ from PySide6.QtWidgets import (
 
 from app.canvas.scene import WorkflowScene
 from app.canvas.widgets_paint import parse_value
+from app.device_badges import ERROR_COLOR, slot_sentence
+from app.gui_words import COMPUTES, COMPUTES_TIP, RESTS, RESTS_TIP, WEIGHT_HOMES, gui_message
+from app.workflow_placement import placements
 from engine.graph.document import MODES
 from engine.graph.spec import BOOLEAN, COMBO, FLOAT, INT, SEED, SEED_CONTROLS, STRING, Input
+from engine.placement import device_choices
 
 INT32 = 2**31 - 1
+DEVICE_INPUTS = {"backend": (COMPUTES, COMPUTES_TIP), "params_backend": (RESTS, RESTS_TIP)}
 
 
 class Inspector(QScrollArea):
@@ -37,6 +45,7 @@ class Inspector(QScrollArea):
         self.node_id: str | None = None
         self.messages: dict[str, list[str]] = {}  # node id -> validation / run messages
         self.editors: dict[str, QWidget] = {}
+        self.placement_label: QLabel | None = None  # the Device box's placement line (model nodes only)
         self._updating = False
         self._show_empty()
         scene.selectionChanged.connect(self.follow_selection)
@@ -82,14 +91,9 @@ class Inspector(QScrollArea):
             description.setWordWrap(True)
             description.setEnabled(False)
             column.addWidget(description)
-        if node_type is not None and node_type.memory_module:
-            badge = QLabel(f"{node_type.memory_module}: compute on auto · weights rest on auto")
-            badge.setObjectName("badge")
-            badge.setWordWrap(True)
-            badge.setToolTip("Where this model computes and where its weights rest (set in the memory panel)")
-            column.addWidget(badge)
         form = QFormLayout()
         self.editors = {}
+        self.placement_label = None
         title = QLineEdit(node.title)
         title.setPlaceholderText(node_type.display_name if node_type else node.type)
         title.editingFinished.connect(self._title_edited)
@@ -103,7 +107,13 @@ class Inspector(QScrollArea):
         form.addRow("Mode", mode)
         if node_type is not None:
             linked = set(self.scene.workflow.links_into(node.id))
+            device_specs = [s for s in node_type.widget_inputs()
+                            if node_type.memory_module and s.name in DEVICE_INPUTS]
+            if device_specs:
+                column.addWidget(self._device_box(node, node_type, device_specs, linked))
             for spec in node_type.widget_inputs():
+                if spec in device_specs:
+                    continue
                 editor = self._editor_for(spec, node.widgets.get(spec.name,
                                                                  node_type.default_widget_values()[spec.name]))
                 editor.setToolTip(spec.description or spec.name)
@@ -122,13 +132,61 @@ class Inspector(QScrollArea):
                     form.addRow("control after generate", control)
         column.addLayout(form)
         for message in self.messages.get(node.id, []):
-            label = QLabel(message)
+            label = QLabel(gui_message(message))
             label.setObjectName("errors")
             label.setWordWrap(True)
             label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             column.addWidget(label)
         column.addStretch(1)
         self.setWidget(page)
+
+    def _device_box(self, node: Any, node_type: Any, specs: list[Input], linked: set[str]) -> QGroupBox:
+        """Where it computes and where its weights rest, as lists, above the placement the run will use."""
+        box = QGroupBox("Device")
+        layout = QVBoxLayout(box)
+        self.placement_label = QLabel()
+        self.placement_label.setObjectName("placement")
+        self.placement_label.setWordWrap(True)
+        self.placement_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        form = QFormLayout()
+        defaults = node_type.default_widget_values()
+        for spec in specs:
+            label_text, tip = DEVICE_INPUTS[spec.name]
+            editor = QComboBox()
+            editor.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            editor.setMinimumContentsLength(6)  # a narrow Inspector clips no text beside it
+            value = str(node.widgets.get(spec.name, defaults[spec.name]))
+            choices = spec.current_choices() or (list(device_choices()) if spec.name == "backend" else [])
+            for choice in choices:  # an upscaler's backend is free text: it gets the list too
+                editor.addItem(WEIGHT_HOMES.get(choice, choice) if spec.name == "params_backend" else choice,
+                               choice)
+            if editor.findData(value) < 0:  # a name that resolves (CPU, cuda:0) or one that does not
+                editor.addItem(value, value)
+            editor.setCurrentIndex(editor.findData(value))
+            editor.activated.connect(lambda index, e=editor, name=spec.name: self._device_chosen(name, e))
+            editor.setToolTip(tip)
+            editor.setEnabled(spec.name not in linked)
+            label = QLabel(label_text)
+            label.setToolTip(tip)
+            form.addRow(label, editor)
+            self.editors[spec.name] = editor
+        layout.addLayout(form)
+        layout.addWidget(self.placement_label)
+        self._show_placement()
+        return box
+
+    def _device_chosen(self, name: str, editor: QComboBox) -> None:
+        if not self._updating and self.node_id is not None:
+            self.scene.set_widget(self.node_id, name, editor.currentData())
+
+    def _show_placement(self) -> None:
+        """The placement the run will use, from the shared picture; in red, with why, if it cannot work."""
+        if self.placement_label is None or self.node_id is None:
+            return
+        slots = placements.get(self.scene.workflow, self.scene.lookup).for_node(self.node_id)
+        problems = [s.problem for s in slots if s.problem]
+        self.placement_label.setText("\n".join(problems or [slot_sentence(s) for s in slots]))
+        self.placement_label.setStyleSheet(f"color: {ERROR_COLOR};" if problems else "")
 
     def _editor_for(self, spec: Input, value: Any) -> QWidget:
         def commit(new_value: Any, name: str = spec.name) -> None:
@@ -212,6 +270,7 @@ class Inspector(QScrollArea):
                     self._show_value(editor, node.widgets.get(name, node_type.default_widget_values()[name]))
         finally:
             self._updating = False
+        self._show_placement()
 
     @staticmethod
     def _show_value(editor: QWidget, value: Any) -> None:
@@ -219,7 +278,11 @@ class Inspector(QScrollArea):
         if isinstance(editor, QCheckBox):
             editor.setChecked(bool(value))
         elif isinstance(editor, QComboBox):
-            editor.setCurrentText(str(value))
+            index = editor.findData(str(value))
+            if index >= 0:  # a list whose items carry the value (the Device box's)
+                editor.setCurrentIndex(index)
+            else:
+                editor.setCurrentText(str(value))
         elif isinstance(editor, (QSpinBox, QDoubleSpinBox)):
             editor.setValue(value)
         elif isinstance(editor, QPlainTextEdit):

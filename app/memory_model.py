@@ -11,6 +11,11 @@ Events read (engine/memory): "ledger" (device, module, allocation, key, delta, t
 segments as (start, stop, weight_bytes)), "segment_start" / "segment_end" (module, index); any event with
 `device` and `budget` fields sets that device's budget, and "ledger_snapshot" carries a
 `DeviceLedger.snapshot()` (budget, free, tracked, modules) recorded by `observe_ledger`.
+
+Runs: each "job_started" event begins a new run. The snapshot's times count from the current run's start
+(its series begin with the state the run found), and the used memory of the RUNS_KEPT - 1 runs before it
+comes along to compare. Weights are reported per kind of module (`te#2`, a text encoder loaded again while
+the first was still alive, counts as te), so a reload does not add a layer of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ THROUGHPUT_WINDOW = 1.0  # seconds of transfers the copy throughput averages ove
 COALESCE_SECONDS = 0.002  # samples closer than this replace the previous one (bounds the series)
 MAX_SAMPLES = 20_000  # per device
 MAX_EVENTS = 100_000  # events kept for save_trace; older ones are dropped
+RUNS_KEPT = 4  # the current run and the ones before it whose used memory is drawn to compare
+KIND_JOB_STARTED = "job_started"
 
 
 class TraceError(ValueError):
@@ -83,6 +90,8 @@ class MemoryModel:
         self._observed: dict[Any, dict] = {}  # device -> last ledger snapshot taken
         self._t0: float | None = None
         self._latest = 0.0
+        self._runs: deque[tuple[float, str]] = deque(maxlen=RUNS_KEPT)  # (start time, label) of each run
+        self._run_count = 0
         self.version = 0  # bumps on every change; a panel redraws only when it moved
 
     # -- input --
@@ -133,6 +142,11 @@ class MemoryModel:
         """Take every device ledger of `engine.memory.runtime`'s snapshot() (its "devices" mapping)."""
         for ledger_snapshot in runtime_snapshot.get("devices", {}).values():
             self.observe_ledger(ledger_snapshot)
+
+    def _on_job_started(self, event: Event) -> None:
+        self._run_count += 1
+        self._runs.append((event.time, f"run {self._run_count}"))
+        self._transfers.clear()  # the copy rate starts again with the run
 
     def _device(self, name: str) -> _Device:
         return self._devices.setdefault(name, _Device())
@@ -222,6 +236,7 @@ class MemoryModel:
             segment["state"] = "evicted"
 
     _HANDLERS: dict[str, Callable[[MemoryModel, Event], None]] = {
+        KIND_JOB_STARTED: _on_job_started,
         "ledger": _on_ledger,
         KIND_LEDGER_SNAPSHOT: _on_ledger_snapshot,
         "transfer": _on_transfer,
@@ -243,43 +258,57 @@ class MemoryModel:
         return self.clock() if self.clock is not None else self._latest
 
     def snapshot(self, max_points: int | None = None) -> dict[str, Any]:
-        """Plain data for the panel: times are seconds since the first event, sizes are bytes.
+        """Plain data for the panel: times are seconds since the current run began (the first event when no
+        job has started), sizes are bytes, weights are per kind of module.
 
         `max_points` bounds each series: longer ones keep the peak sample of each bin (by used bytes, by
-        rate for the throughput), so a plot drawn from them loses no peak.
+        rate for the throughput), so a plot drawn from them loses no peak. "previous" holds, per device, the
+        used memory of the runs before the current one, each over its own time from its start.
         """
         with self._lock:
             now = self.now()
-            t0 = self._t0 if self._t0 is not None else now
+            first = self._t0 if self._t0 is not None else now
+            start, run = self._runs[-1] if self._runs else (first, "")
+            earlier = list(self._runs)[:-1]
             devices = {}
             for name, device in self._devices.items():
-                samples = _peaks(list(device.samples), 1, max_points)
-                modules = _ordered_modules({m for s in samples for m in s[4]})
+                samples = list(device.samples)
+                current = _peaks(_run_samples(samples, start, None), 1, max_points)
+                modules = _ordered_modules({module_kind(m) for s in current for m, n in s[4].items() if n})
+                previous = []
+                for index, (begin, label) in enumerate(earlier):
+                    end = self._runs[index + 1][0]
+                    kept = _peaks(_run_samples(samples, begin, end), 1, max_points)
+                    if kept:
+                        previous.append({"run": label, "time": [s[0] - begin for s in kept],
+                                         "used": [s[1] for s in kept], "duration": end - begin})
                 devices[name] = {
                     "budget": device.budget,
                     "free": device.free(),
                     "tracked": device.tracked,
-                    "weights": dict(device.weights),
+                    "weights": _by_kind(device.weights),
                     "workspace": dict(device.workspace),
                     "series": {
-                        "time": [s[0] - t0 for s in samples],
-                        "used": [s[1] for s in samples],
-                        "budget": [s[2] for s in samples],
-                        "free": [s[3] for s in samples],
-                        "workspace": [s[5] for s in samples],
-                        "weights": {m: [s[4].get(m, 0) for s in samples] for m in modules},
+                        "time": [s[0] - start for s in current],
+                        "used": [s[1] for s in current],
+                        "budget": [s[2] for s in current],
+                        "free": [s[3] for s in current],
+                        "workspace": [s[5] for s in current],
+                        "weights": {m: [_by_kind(s[4]).get(m, 0) for s in current] for m in modules},
                     },
+                    "previous": previous,
                 }
-            throughput = _peaks(list(self._throughput), 1, max_points)
+            throughput = _peaks([t for t in self._throughput if t[0] >= start], 1, max_points)
             plan = None if self._plan is None else {
                 **self._plan, "segments": [dict(s) for s in self._plan["segments"]]}
             return {
                 "version": self.version,
-                "elapsed": now - t0,
+                "run": run,
+                "elapsed": now - start,
                 "devices": devices,
                 "plan": plan,
                 "throughput": self._rate(now),
-                "throughput_series": {"time": [t - t0 for t, _ in throughput],
+                "throughput_series": {"time": [t - start for t, _ in throughput],
                                       "rate": [r for _, r in throughput]},
                 "copied_bytes": self._copied_bytes,
             }
@@ -317,6 +346,24 @@ def _peaks(samples: list[tuple], column: int, max_points: int | None) -> list[tu
         return samples
     width = -(-len(samples) // max_points)  # ceil
     return [max(samples[i : i + width], key=lambda s: s[column]) for i in range(0, len(samples), width)]
+
+
+def _run_samples(samples: list[tuple], start: float, end: float | None) -> list[tuple]:
+    """The samples from `start` to `end` (None: on), led by the state at `start` (the last sample before it,
+    moved to `start`) so that a run's series begin with what the run found."""
+    inside = [s for s in samples if s[0] >= start and (end is None or s[0] < end)]
+    before = [s for s in samples if s[0] < start]
+    if before and (not inside or inside[0][0] > start):
+        inside.insert(0, (start, *before[-1][1:]))
+    return inside
+
+
+def _by_kind(weights: Mapping[str, int]) -> dict[str, int]:
+    """Bytes per kind of module: `te#2` counts as te."""
+    totals: dict[str, int] = {}
+    for module, nbytes in weights.items():
+        totals[module_kind(module)] = totals.get(module_kind(module), 0) + nbytes
+    return totals
 
 
 def module_kind(module: str) -> str:

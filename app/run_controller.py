@@ -16,6 +16,7 @@ from PySide6.QtWidgets import QProgressBar
 
 from app.canvas.commands import SetEntryCommand
 from app.canvas.scene import WorkflowScene
+from app.gui_words import gui_message
 from app.inspector import Inspector
 from app.panels import GalleryList, QueuePanel
 from app.worker import EngineWorker
@@ -65,10 +66,10 @@ class RunController(QObject):
         for error in errors:
             if error.node_id is not None and error.node_id in self.scene.workflow.nodes:
                 where = f"{error.input_name}: " if error.input_name else ""
-                self.node_errors.setdefault(error.node_id, []).append(where + error.message)
+                self.node_errors.setdefault(error.node_id, []).append(gui_message(where + error.message))
         self._show_errors()
         if errors:
-            self.show_message(f"Not queued: {len(errors)} problem(s); first: {errors[0]}")
+            self.show_message(gui_message(f"Not queued: {len(errors)} problem(s); first: {errors[0]}"))
             return None
         self._job_number += 1
         label = f"Job {self._job_number}"
@@ -110,7 +111,7 @@ class RunController(QObject):
             self.node_errors = {}
             for error in result.errors:
                 if error.node_id in self.scene.workflow.nodes:
-                    self.node_errors.setdefault(error.node_id, []).append(error.message)
+                    self.node_errors.setdefault(error.node_id, []).append(gui_message(error.message))
             self._show_errors()
         if status == "finished":
             self._advance_seeds()
@@ -177,7 +178,7 @@ class RunController(QObject):
 
     def _on_node_failed(self, event: Event) -> None:
         node_id = event["node_id"]
-        message = f"{event.get('exception_type')}: {event.get('message')}"
+        message = gui_message(f"{event.get('exception_type')}: {event.get('message')}")
         self.node_errors = {node_id: [message]}
         self._show_errors()
         self.show_message(f"{self._title(node_id)} failed: {message}")

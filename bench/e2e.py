@@ -22,8 +22,9 @@ Every mode runs in a new process (`bench/e2e.py --child ...`):
 s/step is the KSampler node's seconds / steps; "cb ms" the median interval between the sampler's per-step
 callbacks. Peaks are torch.cuda.max_memory_allocated / max_memory_reserved: for cold, since the process
 began; for warm, reset before each generation. "fits" is peak allocated <= budget and reserved <= 1.1 x
-budget. The profile cache (SLUICE_CACHE) is a new folder per program run: the first cold process of a model
-measures its probes and stage profiles, later ones read them (the "cache" column: files in it at start).
+budget. The profile cache (SLUICE_CACHE) is a new folder per program run: each model's first process (mode
+"resident, empty profile cache", one cold generation) measures its probes and stage profiles, later ones
+read them (the "cache" column: files in it at start), as every run after a user's first does.
 
 diffusers (test-only, skipped with a note when absent): StableDiffusion(XL)Pipeline.from_single_file on the
 same checkpoint with a local config folder this program writes (offline), fp16, EulerDiscreteScheduler,
@@ -64,6 +65,7 @@ PROMPTS = ("a lighthouse on a cliff at dusk, waves on black rocks, cinematic pho
            "a red fox in fresh snow under pine trees, morning light, telephoto",
            "an old library with tall shelves and a rolling ladder, warm lamps, wide angle",
            "a bowl of ramen on a wooden table, steam rising, food photography")
+EMPTY_CACHE = "resident, empty profile cache"  # the mode of each model's first process
 TINY_BUDGET_SCALE = 1 / 32  # --tiny: a budget of B "GiB" is B/32 GiB of the CPU (the models are a few MiB)
 
 
@@ -328,8 +330,11 @@ def parent(args: argparse.Namespace) -> int:
             family, side = MODELS[model]
             side = TINY_SIDE if args.tiny else side
             base = {"model": model, "family": family, "side": side, "steps": steps, "workdir": str(workdir),
-                    "warm_runs": args.warm_runs, "tiny": args.tiny, "device": device}
+                    "warm_runs": args.warm_runs, "tiny": args.tiny, "device": device,
+                    "profile": args.profile, "memory_history": args.memory_history, "out": str(args.out)}
             modes: list[tuple[str, str, float | None]] = [("sluice", "resident", None)]
+            if not args.no_cold:  # a first process fills the profile cache; the rows after read it
+                modes.insert(0, ("sluice", EMPTY_CACHE, None))
             modes += [("sluice", f"max-vram {b:g} GiB", b) for b in budgets]
             if have_diffusers:
                 modes.append(("diffusers", "resident", None))
@@ -340,7 +345,9 @@ def parent(args: argparse.Namespace) -> int:
             for system, mode, budget in modes:
                 say(f"{model}: {system} {mode} ({time.perf_counter() - began:.0f} s in) ...")
                 spec = {**base, "system": system, "mode": mode, "budget": budget,
-                        "unet_only": system == "sluice" and budget is None}
+                        "unet_only": system == "sluice" and mode == "resident"}
+                if mode == EMPTY_CACHE:
+                    spec["warm_runs"] = 0
                 data = spawn(args, spec, env)
                 new = rows_of(data, system, model, mode, budget, not args.no_cold)
                 for row in new:
@@ -463,6 +470,7 @@ def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
         workflow.settings["memory"] = {"max_vram": f"cpu={gib:.6f}" if device == "cpu" else f"{gib:g}"}
     app.cli.configure_memory(argparse.Namespace(), workflow)  # as `sluice run` applies settings.memory
 
+    diagnose = Diagnosis(spec)
     bus = EventBus()
     clock = Clock(device)
     bus.subscribe(clock)
@@ -474,9 +482,11 @@ def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
         clock.seconds, clock.callbacks, clock.saved_at = {}, [], None
         if device == "cuda" and index > 0:
             torch.cuda.reset_peak_memory_stats()
+        diagnose.before(index)
         began = clock.now()
         job = executor.run(workflow)
         ended = clock.now()
+        diagnose.after(index)
         if job.status != "finished":
             failure = job.failure
             result["error"] = (f"{failure.node_type}: {failure.exception_type}: {failure.message}"
@@ -494,6 +504,126 @@ def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
         executor.clear_cache()
         result["unet_step_s"] = unet_only_step(spec)
     return result
+
+
+class Diagnosis:
+    """--profile: cProfile of the cold generation and of the first warm one (the 40 costliest functions by
+    cumulative and by own time); --memory-history: torch's allocation history over the last generation,
+    and the blocks alive at its peak of allocated bytes, by the Sluice source line that allocated them.
+    Both write text files under --out and say their names."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec, self.profile_runs = spec, (0, 1) if spec.get("profile") else ()
+        self.recording = bool(spec.get("memory_history")) and spec["device"] == "cuda"
+        self.last_run = spec["warm_runs"]
+        self.stem = Path(spec["out"]) / f"diagnosis_{spec['model']}_{spec['mode'].replace(' ', '_')}"
+        self.profiler: Any = None
+
+    def before(self, index: int) -> None:
+        if index == 0 and self.recording:
+            import torch
+
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        if index == self.last_run and self.recording:
+            import torch
+
+            self.last_run_event = len(torch.cuda.memory._snapshot()["device_traces"][0])
+        if index in self.profile_runs:
+            import cProfile
+
+            self.profiler = cProfile.Profile()
+            self.profiler.enable()
+
+    def after(self, index: int) -> None:
+        if self.profiler is not None:
+            import io
+            import pstats
+
+            self.profiler.disable()
+            text = io.StringIO()
+            stats = pstats.Stats(self.profiler, stream=text)
+            stats.sort_stats("cumulative").print_stats(40)
+            stats.sort_stats("tottime").print_stats(40)
+            self.profiler = None
+            path = Path(f"{self.stem}_profile_{'cold' if index == 0 else 'warm'}.txt")
+            path.write_text(text.getvalue())
+            note(f"profile written to {path}")
+        if index == self.last_run and self.recording:
+            import torch
+
+            from engine.memory.runtime import get_runtime
+
+            torch.cuda.synchronize()
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            ledgers = get_runtime().snapshot().get("devices", {})
+            path = Path(f"{self.stem}_memory.txt")
+            path.write_text("\n".join((
+                "the whole process (cold and warm generations):", live_at_peak(snapshot, 0),
+                "the last generation:", live_at_peak(snapshot, self.last_run_event),
+                live_now(snapshot), f"allocated now {torch.cuda.memory_allocated() / 2**20:.1f} MiB",
+                "ledgers: " + json.dumps(ledgers, default=str)[:4000],
+                segment_summary(torch.cuda.memory_stats()))))
+            note(f"memory history written to {path}")
+
+
+def _site(frames: list[dict[str, Any]]) -> str:
+    """The innermost frames in Sluice's code (engine/, nodes/, app/), after the innermost frame of all."""
+    ours = [f for f in frames if any(f"/{p}/" in f["filename"] for p in ("engine", "nodes", "app"))]
+    if not ours:
+        return "outside sluice: " + " < ".join(f"{Path(f['filename']).name}:{f['line']}" for f in frames[:3])
+    inner = f"{Path(frames[0]['filename']).name}:{frames[0]['line']} {frames[0]['name']}"
+    where = [f"{Path(f['filename']).parent.name}/{Path(f['filename']).name}:{f['line']} {f['name']}"
+             for f in ours[:3]]
+    return inner + " | " + " < ".join(where)
+
+
+def live_now(snapshot: dict[str, Any]) -> str:
+    """Every allocated block now, grouped by allocating site (blocks from before the recording: no site)."""
+    sites: dict[str, list[int]] = {}
+    for segment in snapshot["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                sites.setdefault(_site(block.get("frames", [])), []).append(block["size"])
+    lines = ["allocated blocks after the last generation, by site:"]
+    for site, sizes in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:40]:
+        lines.append(f"  {sum(sizes) / 2**20:9.1f} MiB  {len(sizes):5d} blocks  {site}")
+    return "\n".join(lines)
+
+
+def live_at_peak(snapshot: dict[str, Any], first_event: int) -> str:
+    """The blocks alive when the allocations recorded from `first_event` on peaked, by allocating site."""
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    live: dict[int, dict[str, Any]] = {}
+    current = peak = 0
+    peak_index = -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            current += e["size"]
+        elif e["action"] == "free_completed":
+            current -= e["size"]
+        if current > peak and i >= first_event:
+            peak, peak_index = current, i
+    for e in events[:peak_index + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    sites: dict[str, list[int]] = {}
+    for e in live.values():
+        sites.setdefault(_site(e.get("frames", [])), []).append(e["size"])
+    lines = [f"peak {peak / 2**20:.1f} MiB above the allocated bytes when the recording began, {len(live)} "
+             "blocks alive then, by site:"]
+    for site, sizes in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:40]:
+        lines.append(f"  {sum(sizes) / 2**20:9.1f} MiB  {len(sizes):5d} blocks  {site}")
+    return "\n".join(lines)
+
+
+def segment_summary(stats: dict[str, Any]) -> str:
+    keys = ("allocated_bytes.all.peak", "reserved_bytes.all.peak", "reserved_bytes.all.current",
+            "inactive_split_bytes.all.current", "segment.all.current", "num_alloc_retries", "num_ooms")
+    return "memory_stats: " + ", ".join(
+        f"{k} {stats.get(k, 0) / 2**20:.1f} MiB" if "bytes" in k else f"{k} {stats.get(k, 0)}" for k in keys)
 
 
 def unet_only_step(spec: dict[str, Any]) -> float:
@@ -639,6 +769,11 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/sluice_e2e",
                         help="checkpoints (kept and reused), diffusers configs, profile caches and images")
     parser.add_argument("--child-timeout", type=int, default=300, help="seconds one mode's process may take")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile Sluice's cold and first warm generation (text files in --out)")
+    parser.add_argument("--memory-history", action="store_true",
+                        help="record CUDA allocations over Sluice's last generation; list those alive at "
+                             "the peak by source line (text files in --out)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:

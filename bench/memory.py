@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.devices import GIB, device_name  # noqa: E402
 from engine.memory import profile_cache, stream_model  # noqa: E402
+from engine.memory.copy_flags import CopyFlags  # noqa: E402
 from engine.memory.ledger import BudgetExceeded, DeviceLedger, live_free_memory  # noqa: E402
 from engine.memory.runtime import MemoryRuntime  # noqa: E402
 from engine.memory.segment_plan import SegmentPlan  # noqa: E402
@@ -185,6 +186,7 @@ def registered_model(model: torch.nn.Module, weights: dict, device: torch.device
                      ) -> tuple[MemoryRuntime, str, torch.nn.Module, DeviceLedger, EventBus]:
     """`registered_unet` for any staged model built on the meta device."""
     bus = EventBus()
+    CopyFlags.available(device, wait=True)  # measured calls poll from the first capture (no re-plan after)
     ledger = DeviceLedger(device_name(device), budget, free_memory_fn=free_memory_fn, bus=bus)
     runtime = MemoryRuntime(MemorySettings(cuda_graphs=graphs), bus=bus, ledgers={ledger.device_name: ledger})
     name = runtime.register("diffusion", model, home, ledger.device_name, weights.__getitem__)

@@ -17,6 +17,11 @@ prepend `te=cpu`, `vae=cpu`, `controlnet=cpu` to `--backend`; `--offload-to-cpu`
 `diffusion=cpu`, `te=cpu`, `vae=cpu` (reference/004), so explicit entries still override them. A non-empty
 `--params-backend` disables auto-fit. Parameters kept in `cpu` RAM for a CPU or unified-memory (mps)
 compute device are simply on the device (edge-dit: offload there is a no-op).
+
+Weight types (stable-diffusion.cpp's `--type` and `--tensor-type-rules`, engine/quant): the GGML type every
+eligible weight is quantised to as it loads, and regex=type rules over tensor names. `--auto-fit` given
+explicitly (on, or bare as edge-dit takes it) with neither also lets auto-fit choose the types
+(reference/004's ladder, engine/memory/autofit.py); auto-fit's default-on placement alone never does.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from engine.devices import ComputeDevice, DeviceError, list_devices, resolve_device
@@ -260,7 +265,10 @@ _SETTING_FLAGS = (
     "conv_direct",
     "vae_tiling",
     "cuda_graphs",
+    "weight_type",
+    "tensor_type_rules",
 )
+_BOOL_SETTINGS = ("auto_fit", "prefetch", "segmented", "auto_fit_types")
 
 
 @dataclass(frozen=True)
@@ -278,6 +286,9 @@ class MemorySettings:
     segmented: bool = True  # not --disable-segmented-compute
     vae_tiling: str = "auto"  # --vae-tiling on|off|auto
     cuda_graphs: str = "auto"  # --cuda-graphs on|off|auto (auto = on: replay each module's steady call)
+    weight_type: str = ""  # --type: GGML type of every eligible weight, e.g. q8_0 ("" = the files' own)
+    tensor_type_rules: str = ""  # --tensor-type-rules: "regex=type,..." over tensor names
+    auto_fit_types: bool = False  # --auto-fit given explicitly: auto-fit also picks weight types (ladder)
     warnings: tuple[str, ...] = ()  # deprecation warnings of the flags this was built from
 
     def __post_init__(self) -> None:
@@ -293,6 +304,13 @@ class MemorySettings:
         parse_modes(self.conv_direct, "--conv-direct", MODES, CONV_DIRECT_MODULES)
         object.__setattr__(self, "vae_tiling", _mode(self.vae_tiling, "--vae-tiling"))
         object.__setattr__(self, "cuda_graphs", _mode(self.cuda_graphs, "--cuda-graphs"))
+        if self.weight_type or self.tensor_type_rules:
+            _check_weight_types(self.weight_type, self.tensor_type_rules)
+
+    @property
+    def chooses_weight_types(self) -> bool:
+        """Whether auto-fit picks the weight types: --auto-fit given explicitly, and no --type or rules."""
+        return self.auto_fit and self.auto_fit_types and not (self.weight_type or self.tensor_type_rules)
 
     @classmethod
     def from_args(cls, **flag_values: Any) -> MemorySettings:
@@ -300,6 +318,7 @@ class MemorySettings:
         accepted = (
             *_SETTING_FLAGS,
             "auto_fit",
+            "auto_fit_types",
             *_COMPAT_FLAGS,
             "disable_prefetch",
             "disable_segmented_compute",
@@ -335,6 +354,9 @@ class MemorySettings:
             segmented=not flag_values.get("disable_segmented_compute", False),
             vae_tiling=strings["vae_tiling"] or "auto",
             cuda_graphs=strings["cuda_graphs"] or "auto",
+            weight_type=strings["weight_type"] or "",
+            tensor_type_rules=strings["tensor_type_rules"] or "",
+            auto_fit_types=bool(flag_values.get("auto_fit_types", False)),
             warnings=tuple(warnings),
         )
 
@@ -357,17 +379,27 @@ class MemorySettings:
                 f"unknown memory setting(s) {', '.join(unknown)}; accepted: {', '.join(accepted)}"
             )
         values = dict(data)
-        for name in ("auto_fit", "prefetch", "segmented"):
+        for name in _BOOL_SETTINGS:
             if name in values:
                 values[name] = _on_off(values[name], f"memory setting {name}")
         for name, value in values.items():
             if (
-                name not in ("auto_fit", "prefetch", "segmented")
+                name not in _BOOL_SETTINGS
                 and value is not None
                 and not isinstance(value, str)
             ):
                 raise PlacementError(f"memory setting {name} must be a string, got {value!r}")
         return cls(**values)
+
+
+def _check_weight_types(weight_type: str, rules: str) -> None:
+    """A --type or --tensor-type-rules value that engine.quant cannot write is a PlacementError."""
+    from engine.quant.quantize import tensor_type_rules
+
+    try:
+        tensor_type_rules(weight_type or None, rules)
+    except ValueError as error:
+        raise PlacementError(str(error)) from None
 
 
 def _resolve_names(
@@ -431,7 +463,16 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--flash-attn", help="on, off or auto, with module entries: auto,te=off,vae=on")
     group.add_argument("--conv-direct", help="on, off or auto, with module entries: auto,vae=off")
-    group.add_argument("--auto-fit", choices=("on", "off"), help="automatic placement (default on)")
+    group.add_argument("--auto-fit", choices=("on", "off"), nargs="?", const="on",
+                       help="automatic placement (default on); given explicitly (bare or on) without --type, "
+                            "it also picks the weight types: text encoders q8_0, the diffusion model the "
+                            "highest of q8_0, q5, q4 that fits resident (reference/004)")
+    group.add_argument("--type", dest="weight_type", metavar="TYPE",
+                       help="quantise every eligible weight to TYPE as it loads: q8_0, q5_0, q5_1, q4_0, "
+                            "q4_1, f16, bf16, f32 (stable-diffusion.cpp's --type)")
+    group.add_argument("--tensor-type-rules", metavar="RULES",
+                       help='per-tensor types over --type: "regex=type,..." on tensor names, e.g. '
+                            '"^model.diffusion_model.double_blocks=q8_0"')
     group.add_argument("--vae-tiling", choices=MODES, help="decode the VAE in tiles (default auto)")
     group.add_argument(
         "--cuda-graphs", choices=MODES, help="replay a module's repeated calls as CUDA graphs (default on)"
@@ -455,6 +496,7 @@ def settings_from_namespace(ns: argparse.Namespace, base: MemorySettings | None 
             values[name] = getattr(ns, name)
     auto_fit = getattr(ns, "auto_fit", None)
     values["auto_fit"] = base.auto_fit if auto_fit is None else auto_fit
+    values["auto_fit_types"] = base.auto_fit_types if auto_fit is None else _on_off(auto_fit, "--auto-fit")
     values["disable_prefetch"] = bool(getattr(ns, "disable_prefetch", False)) or not base.prefetch
     values["disable_segmented_compute"] = (
         bool(getattr(ns, "disable_segmented_compute", False)) or not base.segmented
@@ -465,3 +507,70 @@ def settings_from_namespace(ns: argparse.Namespace, base: MemorySettings | None 
     if base.warnings:
         settings = MemorySettings(**{**asdict(settings), "warnings": base.warnings + settings.warnings})
     return settings
+
+
+NODE_PARAMS = ("auto", "device", "cpu", "disk")  # a loader node's params_backend choices (auto: inherit)
+NODE_INHERIT = ("", "auto")  # a loader node's backend values that keep the workflow's (and CLI's) choice
+CLI_PARAMS_FLAGS = ("params_backend", "offload_to_cpu", "dit_offload", "text_encoder_offload", "vae_offload")
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """One module of a loader node, placed by CLI flags > the node's own values > the workflow > defaults."""
+
+    module: str  # canonical module: diffusion, te, vae, ...
+    compute: tuple[str, ...]  # resolved compute device names, the main one first (several: a split)
+    params: str | None  # device, cpu, disk or another device's name; None = auto-fit decides
+    split_mode: str  # layer or row; matters only with several compute devices
+    settings: MemorySettings  # the merged settings the placement came from (the node's backend included)
+    placement: ModulePlacement  # what placement_for resolved from `settings`
+
+
+def device_choices(devices: Sequence[ComputeDevice] | None = None) -> tuple[str, ...]:
+    """What a loader node's backend may be set to: auto, then every device that exists (cuda0, ..., cpu)."""
+    devices = list_devices() if devices is None else devices
+    return ("auto", *(device.name for device in devices))
+
+
+def resolve_node_placement(
+    module: str,
+    workflow_memory: Mapping[str, Any] | MemorySettings | None = None,
+    node_backend: str = "auto",
+    node_params: str = "auto",
+    overrides: Mapping[str, Any] | None = None,
+    devices: Sequence[ComputeDevice] | None = None,
+) -> NodePlacement:
+    """The placement of `module` as the executor runs it: CLI flags (`overrides`, by argparse name), then a
+    loader node's `backend` / `params_backend` (when not auto), then the workflow's settings["memory"], then
+    the defaults. The one resolution that the runtime, the node badge, the Inspector and the Devices view
+    share. Raises PlacementError, or DeviceError for a node backend that names no device.
+
+    Weights kept in RAM (`cpu`) for a CPU or unified-memory compute device are on the device (`device`).
+    With no explicit params anywhere, `params` is None when auto-fit decides, else `device`.
+    """
+    module = canonical_module(module)
+    devices = list_devices() if devices is None else list(devices)
+    overrides = dict(overrides or {})
+    params_choice = node_params.strip().lower()
+    if params_choice not in NODE_PARAMS:
+        raise PlacementError(f"unknown params_backend {node_params!r}; accepted: {', '.join(NODE_PARAMS)}")
+    workflow = workflow_memory if isinstance(workflow_memory, MemorySettings) else (
+        MemorySettings.from_dict(workflow_memory or {}))
+    backend = workflow.backend
+    if node_backend.strip().lower() not in NODE_INHERIT:
+        resolve_device(node_backend, devices)  # a DeviceError naming the devices that exist
+        backend = f"{backend},{module}={node_backend.strip()}"
+    flags = argparse.Namespace(**overrides)
+    settings = settings_from_namespace(flags, replace(workflow, backend=backend))
+    placement = placement_for(module, settings, devices)
+    main = resolve_device(placement.compute[0], devices)
+    if any(overrides.get(flag) for flag in CLI_PARAMS_FLAGS) or (
+        params_choice == "auto" and settings.params_backend is not None
+    ):
+        params: str | None = placement.params
+    elif params_choice != "auto":
+        unified = params_choice == "cpu" and main.kind in ("cpu", "igpu")
+        params = "device" if unified else params_choice
+    else:
+        params = None if settings.auto_fit else "device"
+    return NodePlacement(module, placement.compute, params, placement.split_mode, settings, placement)

@@ -19,9 +19,9 @@ from engine.models.taesd import (
     cached_taesd_decoder,
     find_taesd_decoder,
     shrink_latent,
-    taesd_preview,
+    taesd_frame,
 )
-from engine.sampling.preview import latent_to_rgb
+from engine.sampling.preview import latent_to_rgb_frame
 from engine.settings import Settings
 
 PREVIEW_METHODS = ("auto", "latent2rgb", "taesd", "none")
@@ -55,9 +55,37 @@ def preview_options(workflow_settings: Mapping[str, Any] | None) -> PreviewOptio
     return PreviewOptions(method, every)
 
 
-def _latent2rgb_preview(latent: torch.Tensor, family: str) -> np.ndarray:
-    """The linear projection of the first latent, area-downscaled first to at most 256 px."""
-    return latent_to_rgb(shrink_latent(latent[:1].float(), MAX_PREVIEW_SIZE), family)
+def _latent2rgb_frame(latent: torch.Tensor, family: str) -> torch.Tensor:
+    """The linear projection of the first latent, area-downscaled first to at most 256 px, on its device."""
+    return latent_to_rgb_frame(shrink_latent(latent[:1].float(), MAX_PREVIEW_SIZE), family)
+
+
+class HostFrames:
+    """Preview frames made on a GPU reach the host without the sampler waiting for them: each frame is
+    copied into pinned memory behind the step's work, and a call hands back the newest frame whose copy has
+    finished (so previews run a step or so behind), except the last step's, which it waits for. A wait per
+    step would keep the CPU from queueing the next step while the GPU works (on the H200, SD1.5's 12.5 ms
+    step took 14 ms end to end with it). Frames made on the CPU come back at once."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+
+    def __call__(self, frame: torch.Tensor, last: bool) -> np.ndarray | None:
+        if frame.device.type != "cuda":
+            return frame.numpy()
+        host = torch.empty(frame.shape, dtype=frame.dtype, pin_memory=True)
+        host.copy_(frame, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._pending.append((copied, host))
+        if last:
+            copied.synchronize()
+            self._pending.clear()
+            return host.numpy()
+        ready = None
+        while self._pending and self._pending[0][0].query():
+            ready = self._pending.pop(0)[1]
+        return None if ready is None else ready.numpy()
 
 
 def make_previewer(workflow_settings: Mapping[str, Any] | None, family: str,
@@ -76,12 +104,15 @@ def make_previewer(workflow_settings: Mapping[str, Any] | None, family: str,
         raise ValueError(f"preview method 'taesd' needs {expected}.safetensors for latent family {family!r} "
                          f"in {where}; TAESD decoders exist for: {', '.join(DECODER_NAMES)}")
 
+    to_host = HostFrames()
+
     def previewer(step: int, total: int, denoised: torch.Tensor) -> np.ndarray | None:
-        if step % options.every != 0 and step != total - 1:
+        last = step == total - 1
+        if step % options.every != 0 and not last:
             return None
         if decoder_path is not None:
             decoder = cached_taesd_decoder(decoder_path, denoised.device)
-            return taesd_preview(decoder, denoised, MAX_PREVIEW_SIZE)
-        return _latent2rgb_preview(denoised, family)
+            return to_host(taesd_frame(decoder, denoised, MAX_PREVIEW_SIZE), last)
+        return to_host(_latent2rgb_frame(denoised, family), last)
 
     return previewer

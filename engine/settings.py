@@ -33,6 +33,7 @@ MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
     "upscale_models": ("upscale_models",),
     "embeddings": ("embeddings",),
     "vae_approx": ("vae_approx",),
+    "controlnet": ("controlnet", "t2i_adapter"),
 }
 MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
 
@@ -180,6 +181,9 @@ def _safe_relative(name: str, what: str) -> PurePosixPath:
 
 
 def _read_settings_file(path: Path) -> dict[str, Any]:
+    if path.exists() and not path.is_file():
+        raise SettingsError(f"settings file {path} is not a regular file (a folder, FIFO or device); "
+                            f"accepted: a JSON file, or no file at that path")
     if not path.is_file():
         return {}
     try:

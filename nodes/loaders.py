@@ -8,11 +8,16 @@ Every loader ends with `backend` (a compute device name, or auto) and `params_ba
 disk), after ComfyUI's inputs so that ComfyUI's positional widget values still import. Placement
 precedence: `sluice run` flags > the node's own values (when not auto) > the workflow's settings["memory"]
 > defaults; with no explicit params anywhere, auto-fit plans every loader of the workflow from the file
-headers (engine/memory/autofit.py) and each node takes its components' choices.
+headers (engine/memory/autofit.py) and each node takes its components' choices. Weight types follow the
+same precedence: `--type` / `--tensor-type-rules` (or the workflow's memory settings), else, with an explicit
+`--auto-fit`, the ladder's choice in that plan (`node_weight_types`); a GGUF file's quantised weights rest
+quantised whatever is chosen.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.devices import DeviceError, resolve_device
-from engine.graph.spec import STRING, Input, NodeType, Output, RunContext, combo_input
+from engine.graph.spec import COMBO, Input, NodeType, Output, RunContext, combo_input
 from engine.memory.autofit import (
+    TYPED_COMPONENTS,
     AutoFitPlan,
     ComponentNeed,
     component_needs,
@@ -29,7 +35,7 @@ from engine.memory.autofit import (
     planning_room,
     publish_plan,
 )
-from engine.memory.runtime import NODE_PARAMS, MemoryRuntime, get_runtime
+from engine.memory.runtime import MemoryRuntime, get_runtime
 from engine.models.bundles import MissingComponent
 from engine.models.formats import CheckpointError
 from engine.models.loader import (
@@ -41,6 +47,8 @@ from engine.models.loader import (
     load_vae,
     parse_dtype,
 )
+from engine.placement import NODE_PARAMS, MemorySettings, device_choices, settings_from_namespace
+from engine.quant.loading import WeightTypes
 from engine.settings import Settings, SettingsError, load_settings
 
 COMPUTE_DEVICE = "auto"  # what a node's backend "auto" stands for (the workflow's and CLI's choice)
@@ -84,23 +92,27 @@ def file_fingerprint(*paths: Path) -> tuple:
 
 @dataclass(frozen=True)
 class DeviceNameInput(Input):
-    """A STRING widget that validates as a compute device name (cpu, cuda0, mps, auto, gpu, a prefix)."""
+    """A COMBO of the devices that exist (auto, cuda0, ..., cpu) that also accepts any name that resolves to
+    one (CPU, cuda:1, gpu, a unique prefix), as workflow files and the CLI may give."""
 
     def check_value(self, value: Any) -> str | None:
-        problem = super().check_value(value)
-        if problem is None and value.strip().lower() not in ("", "auto"):
-            try:
-                resolve_device(value)
-            except DeviceError as error:
-                return f"{self.name}: {error}"
-        return problem
+        if not isinstance(value, str):
+            return f"{self.name}: expected a device name, got {value!r}"
+        if value.strip().lower() in ("", "auto"):
+            return None
+        try:
+            resolve_device(value)
+        except DeviceError as error:
+            return f"{self.name}: {error}"
+        return None
 
 
 def placement_inputs() -> tuple[Input, ...]:
-    return (DeviceNameInput("backend", STRING, "auto",
-                            description="compute device: auto, cpu, cuda0, ... (sluice devices lists them)"),
+    return (DeviceNameInput("backend", COMBO, "auto", choices=device_choices,
+                            description="where it computes: auto, or a device that exists (cpu, cuda0, ...)"),
             combo_input("params_backend", NODE_PARAMS, "auto",
-                        description="where the weights live: auto (auto-fit), device, cpu (RAM), disk"))
+                        description="where the weights rest: auto (auto-fit), device (where it computes), "
+                                    "cpu (pinned RAM), disk (re-read from the file)"))
 
 
 def _memory_of(workflow: Any) -> dict[str, Any] | None:
@@ -118,23 +130,57 @@ def node_needs(node_id: str, node_type: type[NodeType], widgets: dict[str, Any],
     backend, params = _node_backend(widgets.get("backend", "auto")), widgets.get("params_backend", "auto")
     resolved = {m: runtime.resolve_placement(m, workflow_memory, backend, params) for m in files}
     dtype = parse_dtype(widgets.get("weight_dtype", "default"))
+    memory = memory_settings(runtime, workflow_memory)
+    types, ladder = explicit_weight_types(memory), memory.chooses_weight_types
     needs = []
     for module, paths in files.items():
-        parts = [need for path in paths
-                 for need in component_needs(path, {module: resolved[module].compute}, node_id, dtype)]
+        parts = [need for path in paths for need in
+                 component_needs(path, {module: resolved[module].compute}, node_id, dtype, types, ladder,
+                                 runtime.devices)]
         if parts:
-            needs.append(ComponentNeed(f"{node_id}/{module}", module, resolved[module].compute,
-                                       sum(p.weight_bytes for p in parts),
-                                       max(p.largest_tensor_bytes for p in parts),
-                                       fixed=resolved[module].params,
-                                       split=tuple(resolved[module].devices[1:])))
+            need = _joined(f"{node_id}/{module}", parts)
+            needs.append(dataclasses.replace(need, fixed=resolved[module].params,
+                                             split=tuple(resolved[module].devices[1:])))
     return needs
 
 
+def _joined(name: str, parts: list[ComponentNeed]) -> ComponentNeed:
+    """One need for a module read from several files (DualCLIPLoader): bytes summed, and each ladder rung
+    any part has summed over the parts (a part without it at its own bytes)."""
+    rungs = list(dict.fromkeys(v.variant for part in parts for v in part.variants))
+
+    def rung_bytes(part: ComponentNeed, rung: str) -> tuple[int, int]:
+        found = next((v for v in part.variants if v.variant == rung), part)
+        return found.weight_bytes, found.largest_tensor_bytes
+
+    variants = tuple(
+        dataclasses.replace(parts[0], name=name, variant=rung, variants=(), type_reason="",
+                            weight_bytes=sum(rung_bytes(p, rung)[0] for p in parts),
+                            largest_tensor_bytes=max(rung_bytes(p, rung)[1] for p in parts))
+        for rung in rungs)
+    return dataclasses.replace(parts[0], name=name, weight_bytes=sum(p.weight_bytes for p in parts),
+                               largest_tensor_bytes=max(p.largest_tensor_bytes for p in parts),
+                               variants=variants)
+
+
+def memory_settings(runtime: MemoryRuntime, workflow_memory: dict[str, Any] | None) -> MemorySettings:
+    """The memory settings a loader runs under: the CLI flags over the workflow's settings["memory"]."""
+    return settings_from_namespace(argparse.Namespace(**runtime.overrides),
+                                   MemorySettings.from_dict(workflow_memory or {}))
+
+
+def explicit_weight_types(settings: MemorySettings) -> WeightTypes | None:
+    """--type and --tensor-type-rules as WeightTypes, or None when neither is given."""
+    if not (settings.weight_type or settings.tensor_type_rules):
+        return None
+    return WeightTypes(settings.weight_type.upper() or None, settings.tensor_type_rules)
+
+
 def workflow_plan(workflow: Any, settings: Settings | None, runtime: MemoryRuntime | None = None,
-                  ) -> AutoFitPlan:
+                  problems: list[str] | None = None) -> AutoFitPlan:
     """The auto-fit plan of every loader node of `workflow`, from file headers alone (nothing is loaded).
-    A loader whose file cannot be read is left out (running it reports the problem)."""
+    A loader whose file cannot be read is left out; what was wrong with it is appended to `problems`
+    ("node 4 (CheckpointLoaderSimple): ..."), when given."""
     runtime = runtime or get_runtime()
     needs = []
     for node_id, node in workflow.nodes.items():
@@ -144,10 +190,25 @@ def workflow_plan(workflow: Any, settings: Settings | None, runtime: MemoryRunti
         widgets = {**node_type.default_widget_values(), **node.widgets}
         try:
             needs += node_needs(node_id, node_type, widgets, settings, _memory_of(workflow), runtime)
-        except (CheckpointError, SettingsError, OSError, ValueError):
-            continue
+        except (CheckpointError, SettingsError, OSError, ValueError) as error:
+            if problems is not None:
+                problems.append(f"node {node_id} ({node.type}): {error}")
     gpu_room, ram_room = planning_room(runtime.devices, runtime.settings)
     return plan_placements(needs, gpu_room, ram_room)
+
+
+def _node_plan(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, Any], runtime: MemoryRuntime,
+               ) -> AutoFitPlan:
+    """The auto-fit plan a running loader node takes its choices from (published once per change)."""
+    if ctx.workflow is not None and ctx.node_id in ctx.workflow.nodes:
+        plan = workflow_plan(ctx.workflow, ctx.settings, runtime)
+    else:
+        needs = node_needs(ctx.node_id, node_type, widgets, ctx.settings, _memory_of(ctx.workflow), runtime)
+        plan = plan_placements(needs, *planning_room(runtime.devices, runtime.settings))
+    if plan.format() != runtime.published_plan:
+        runtime.published_plan = plan.format()
+        publish_plan(plan, runtime.bus)
+    return plan
 
 
 def node_targets(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, Any],
@@ -160,14 +221,7 @@ def node_targets(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, 
     resolved = {m: runtime.resolve_placement(m, memory, backend, params) for m in modules}
     homes = {m: r.params for m, r in resolved.items()}
     if any(home is None for home in homes.values()):
-        if ctx.workflow is not None and ctx.node_id in ctx.workflow.nodes:
-            plan = workflow_plan(ctx.workflow, ctx.settings, runtime)
-        else:
-            needs = node_needs(ctx.node_id, node_type, widgets, ctx.settings, memory, runtime)
-            plan = plan_placements(needs, *planning_room(runtime.devices, runtime.settings))
-        if plan.format() != runtime.published_plan:
-            runtime.published_plan = plan.format()
-            publish_plan(plan, runtime.bus)
+        plan = _node_plan(ctx, node_type, widgets, runtime)
         for module, home in homes.items():
             if home is None:
                 try:
@@ -175,6 +229,27 @@ def node_targets(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, 
                 except KeyError:
                     homes[module] = "device"
     return {m: "&".join(r.devices) for m, r in resolved.items()}, homes  # "cuda0&cuda1": a split module
+
+
+def node_weight_types(ctx: RunContext, node_type: type[NodeType], widgets: dict[str, Any],
+                      ) -> dict[str, WeightTypes | None]:
+    """The weight types per module of a running loader node (None: the file's own): --type and
+    --tensor-type-rules, else the auto-fit ladder's choice when it chooses them."""
+    runtime = get_runtime()
+    settings = memory_settings(runtime, _memory_of(ctx.workflow))
+    modules = list(node_type.memory_files(ctx.settings, widgets))
+    explicit = explicit_weight_types(settings)
+    if explicit is not None or not settings.chooses_weight_types:
+        return {m: explicit if m in TYPED_COMPONENTS else None for m in modules}
+    plan = _node_plan(ctx, node_type, widgets, runtime)
+    types: dict[str, WeightTypes | None] = {}
+    for module in modules:
+        try:
+            variant = plan.choice(f"{ctx.node_id}/{module}").need.variant
+        except KeyError:
+            variant = ""
+        types[module] = WeightTypes(variant) if variant else None
+    return types
 
 
 def _missing(name: str, component: str, kind: str) -> MissingComponent:
@@ -203,9 +278,11 @@ class CheckpointLoaderSimple(NodeType):
     def run(self, ctx: RunContext, ckpt_name: str, backend: str = "auto",
             params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "checkpoints", ckpt_name)
-        devices, homes = node_targets(ctx, type(self), {"ckpt_name": ckpt_name, "backend": backend,
-                                                        "params_backend": params_backend})
-        model, clip, vae = load_checkpoint(path, device=devices, params=homes, runtime=get_runtime())
+        widgets = {"ckpt_name": ckpt_name, "backend": backend, "params_backend": params_backend}
+        devices, homes = node_targets(ctx, type(self), widgets)
+        types = {m: t for m, t in node_weight_types(ctx, type(self), widgets).items() if t is not None}
+        model, clip, vae = load_checkpoint(path, device=devices, params=homes, runtime=get_runtime(),
+                                           types=types)
         return (model or _missing(ckpt_name, "diffusion", "MODEL"), clip or _missing(ckpt_name, "te", "CLIP"),
                 vae or _missing(ckpt_name, "vae", "VAE"))
 
@@ -230,10 +307,12 @@ class UNETLoader(NodeType):
     def run(self, ctx: RunContext, unet_name: str, weight_dtype: str, backend: str = "auto",
             params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "diffusion_models", unet_name)
-        devices, homes = node_targets(ctx, type(self), {"unet_name": unet_name, "weight_dtype": weight_dtype,
-                                                        "backend": backend, "params_backend": params_backend})
+        widgets = {"unet_name": unet_name, "weight_dtype": weight_dtype, "backend": backend,
+                   "params_backend": params_backend}
+        devices, homes = node_targets(ctx, type(self), widgets)
+        types = node_weight_types(ctx, type(self), widgets)["diffusion"]
         return (load_diffusion_model(path, weight_dtype, devices["diffusion"], homes["diffusion"],
-                                     get_runtime()),)
+                                     get_runtime(), types),)
 
 
 class CLIPLoader(NodeType):
@@ -257,10 +336,11 @@ class CLIPLoader(NodeType):
     def run(self, ctx: RunContext, clip_name: str, type: str, backend: str = "auto",
             params_backend: str = "auto") -> tuple:
         path = model_path(ctx.settings, "text_encoders", clip_name)
-        devices, homes = node_targets(ctx, CLIPLoader, {"clip_name": clip_name, "backend": backend,
-                                                        "params_backend": params_backend})
+        widgets = {"clip_name": clip_name, "backend": backend, "params_backend": params_backend}
+        devices, homes = node_targets(ctx, CLIPLoader, widgets)
+        types = node_weight_types(ctx, CLIPLoader, widgets)["te"]
         return (load_text_encoders([path], CLIP_TYPES[type], None, devices["te"], homes["te"],
-                                   get_runtime()),)
+                                   get_runtime(), types),)
 
 
 class DualCLIPLoader(NodeType):
@@ -290,8 +370,9 @@ class DualCLIPLoader(NodeType):
         widgets = {"clip_name1": clip_name1, "clip_name2": clip_name2, "backend": backend,
                    "params_backend": params_backend}
         devices, homes = node_targets(ctx, DualCLIPLoader, widgets)
+        types = node_weight_types(ctx, DualCLIPLoader, widgets)["te"]
         return (load_text_encoders(paths, DUAL_CLIP_TYPES[type], None, devices["te"], homes["te"],
-                                   get_runtime()),)
+                                   get_runtime(), types),)
 
 
 class VAELoader(NodeType):

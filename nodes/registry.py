@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.utility",
     "nodes.loaders",
+    "nodes.gguf",
     "nodes.conditioning",
     "nodes.latent",
     "nodes.latent_ops",
@@ -34,6 +35,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.lora",
     "nodes.flux",
     "nodes.model_patches",
+    "nodes.controlnet",
 )
 
 

@@ -83,11 +83,12 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
     height, width = samples.shape[2] * 8, samples.shape[3] * 8
     cond = model.guidance_conditioning(positive, width, height)
     uncond = model.guidance_conditioning(negative, width, height)
-    result = sample(model.denoiser(), model_space(model, samples), cond, uncond, cfg, sampler_name, scheduler,
-                    steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
-                    end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
-                    callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
-                    family=model.latent_format)
+    with model.holding_sampler_state(samples, positive, negative):
+        result = sample(model.denoiser(), model_space(model, samples), cond, uncond, cfg, sampler_name,
+                        scheduler, steps, seed, denoise=denoise, add_noise=add_noise, start_step=start_step,
+                        end_step=end_step, return_with_leftover_noise=return_with_leftover_noise,
+                        callback=step_reporter(ctx, model), check_interrupt=ctx.check_interrupt,
+                        family=model.latent_format)
     return latent_output(model, latent_image, result)
 
 

@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QGraphicsItem, QGraphicsSceneHoverEvent, QGraphics
 from app import theme
 from app.canvas.port_item import PortItem
 from app.canvas.widgets_paint import paint_widget_row, stepped, widget_zone
-from app.device_badges import Badge, badge_for
+from app.device_badges import Badge, node_badge
 from engine.graph.document import NodeDoc
 from engine.graph.spec import ANY, BOOLEAN, STRING, NodeType
 
@@ -27,10 +27,17 @@ IMAGE_MAX_HEIGHT = 320.0
 COLLAPSE_BOX = 18.0
 
 
+BADGE_SCREEN_PIXELS = 11.0  # the device badge's text height on screen at any zoom down to BADGE_MIN_ZOOM
+BADGE_MIN_ZOOM = 0.6
+
+
 def _badge_font(painter: QPainter) -> QFont:
+    """The device badge's font: 12 px in the scene at least, larger when zoomed out so that it stays
+    BADGE_SCREEN_PIXELS tall on screen down to zoom BADGE_MIN_ZOOM."""
     font = QFont(painter.font())
-    font.setPointSizeF(7.5)
-    font.setBold(False)
+    zoom = max(BADGE_MIN_ZOOM, min(1.0, painter.worldTransform().m22() or 1.0))
+    font.setPixelSize(round(max(12.0, BADGE_SCREEN_PIXELS / zoom)))
+    font.setBold(True)
     return font
 
 
@@ -48,7 +55,6 @@ class NodeItem(QGraphicsItem):
         self.progress: tuple[int, int] | None = None
         self.errors: list[str] = []
         self.image: QImage | None = None
-        self._badge: tuple[str, Badge | None] | None = None  # (the inputs it was made from, the badge)
         self.setFlags(QGraphicsItem.GraphicsItemFlag.ItemIsMovable
                       | QGraphicsItem.GraphicsItemFlag.ItemIsSelectable
                       | QGraphicsItem.GraphicsItemFlag.ItemSendsGeometryChanges)
@@ -239,16 +245,14 @@ class NodeItem(QGraphicsItem):
         """Where this model-bearing node computes and where its weights rest (None for other nodes)."""
         if self.node_type is None or not self.node_type.memory_module:
             return None
-        memory = self.workflow_scene.workflow.settings.get("memory", {})
-        key = repr((sorted(self.node.widgets.items()), sorted(memory.items())))
-        if self._badge is None or self._badge[0] != key:  # resolving devices is too slow for every paint
-            self._badge = (key, badge_for(self.node_type, self.node.widgets, memory))
-        return self._badge[1]
+        # the shared placement picture, resolved again only when a model node or the settings changed
+        return node_badge(self.workflow_scene.workflow, self.workflow_scene.lookup, self.node_id)
 
     def _paint_badge(self, painter: QPainter, title: QRectF, badge: Badge) -> None:
         painter.setFont(_badge_font(painter))
         width = painter.fontMetrics().horizontalAdvance(badge.text) + 12
-        rect = QRectF(title.right() - width - 6, 5, width, TITLE_HEIGHT - 10)
+        height = max(TITLE_HEIGHT - 6, painter.fontMetrics().height() + 2)
+        rect = QRectF(title.right() - width - 6, (TITLE_HEIGHT - height) / 2, width, height)
         color = QColor(badge.color)
         painter.setPen(QPen(color, 1))
         painter.setBrush(QColor(color.red(), color.green(), color.blue(), 40))

@@ -10,6 +10,7 @@ from PySide6.QtGui import QFont, QKeyEvent, QPainter, QPolygonF
 from PySide6.QtWidgets import QComboBox, QFrame, QLineEdit, QPlainTextEdit, QVBoxLayout, QWidget
 
 from app import theme
+from app.gui_words import INPUT_LABELS
 from engine.graph.spec import BOOLEAN, COMBO, FLOAT, INT, SEED, SEED_MAX, STRING, Input
 
 ARROW_WIDTH = 14.0
@@ -99,7 +100,8 @@ def paint_widget_row(painter: QPainter, rect: QRectF, spec: Input, value: Any, l
                                        QPointF(right - 5, mid + 3.5)]))
         text_rect = rect.adjusted(ARROW_WIDTH, 0, -ARROW_WIDTH, 0)
     painter.setPen(theme.TEXT_DIM)
-    painter.drawText(text_rect, Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, spec.name)
+    label = INPUT_LABELS.get(spec.name, spec.name)
+    painter.drawText(text_rect, Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignLeft, label)
     shown = format_value(spec, value)
     if seed_control and seed_control != "fixed":
         shown += f"  ({seed_control})"
@@ -107,7 +109,7 @@ def paint_widget_row(painter: QPainter, rect: QRectF, spec: Input, value: Any, l
         painter.setPen(theme.ACCENT if value else theme.TEXT_DIM)
     else:
         painter.setPen(theme.TEXT)
-    name_width = painter.fontMetrics().horizontalAdvance(spec.name) + 12
+    name_width = painter.fontMetrics().horizontalAdvance(label) + 12
     value_rect = text_rect.adjusted(name_width, 0, 0, 0)
     elided = painter.fontMetrics().elidedText(shown, Qt.TextElideMode.ElideRight, int(value_rect.width()))
     painter.drawText(value_rect, Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight, elided)

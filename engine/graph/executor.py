@@ -12,7 +12,8 @@ Modes. A muted node is left out (a required input fed only by it fails validatio
 not run: each of its outputs passes on the first connected input whose type equals that output's type,
 else None.
 
-Events (on `bus`, with job_id): job_started(node_count), then per node node_started / node_cached,
+Events (on `bus`, with job_id): job_started(node_count, cached: the ids of the nodes whose cached result
+matches, as ComfyUI's execution_cached lists them), then per node node_started / node_cached,
 progress(node_id, value, max), preview(node_id, image), node_finished(node_id, seconds) or
 node_failed(node_id, node_type, exception_type, message, traceback), job_interrupted(node_id), and
 last always job_finished(status, seconds) (with errors, as strings, when the status is "invalid").
@@ -99,7 +100,8 @@ class Executor:
             self.bus.publish("job_started", job_id=job_id, node_count=0)
             return self._finish(JobResult(job_id, "invalid", errors=errors), workflow, started)
         plan = self._plan(workflow)
-        self.bus.publish("job_started", job_id=job_id, node_count=len(plan.order))
+        self.bus.publish("job_started", job_id=job_id, node_count=len(plan.order),
+                         cached=sorted(plan.hits, key=id_sort_key))
         result = JobResult(job_id, "finished")
         values: dict[str, tuple] = {}
         consumers = Counter(link.source for node_id in plan.order if node_id not in plan.hits

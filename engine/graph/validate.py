@@ -13,6 +13,7 @@ import networkx as nx
 
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import ValidationError
+from engine.graph.job_guard import check_job_memory
 from engine.graph.spec import ANY, SEED, SEED_CONTROLS, NodeType
 
 Lookup = Callable[[str], type[NodeType] | None]
@@ -45,7 +46,8 @@ def output_type_of(workflow: Workflow, lookup: Lookup, link: Link) -> str | None
 
 def validate(workflow: Workflow, lookup: Lookup) -> list[ValidationError]:
     """Every problem of `workflow`: unknown types, bad links, type mismatches, missing inputs, bad widget
-    values, cycles, and the absence of an output node."""
+    values, cycles, the absence of an output node, and (when there is no other) a job too large for this
+    machine's RAM (job_guard.py)."""
     errors: list[ValidationError] = []
     graph = build_graph(workflow)
     classes: dict[str, type[NodeType]] = {}
@@ -73,6 +75,8 @@ def validate(workflow: Workflow, lookup: Lookup) -> list[ValidationError]:
     if not has_output:
         errors.append(ValidationError("no_output", "the workflow has no output node (e.g. SaveImage, "
                                                    "PreviewImage) that is not muted or bypassed"))
+    if not errors:
+        errors += check_job_memory(workflow)  # sizes the specs allow but this machine cannot hold
     return errors
 
 

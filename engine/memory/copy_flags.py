@@ -12,11 +12,18 @@ at its end.
 
 The poll is a Triton kernel. Where Triton is missing or fails (no compiler for its launcher, a device it
 does not support), `CopyFlags.available` says no and the runner keeps the events.
+
+Compiling and checking the kernel takes 0.7 to 1 s in a new process (Triton hashes its sources, compiles or
+loads the kernel, and the check waits for a delayed flag), which the first image must not wait for: a runner
+that may stream starts the check in a background thread when it is made (`warm_up`), and until the check is
+done `available` says no, so that the calls meanwhile wait for events. The check runs on streams of its own,
+which never synchronize with a stream that the main thread is capturing.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 
@@ -24,6 +31,8 @@ log = logging.getLogger(__name__)
 
 ENABLED = True  # poll flags in captured calls where Triton works (False: events everywhere)
 _AVAILABLE: dict[int, bool] = {}  # CUDA device index -> whether a poll ran correctly there
+_CHECKING: dict[int, threading.Thread] = {}  # CUDA device index -> the check running in the background
+_LOCK = threading.Lock()
 
 
 class CopyFlags:
@@ -50,15 +59,45 @@ class CopyFlags:
             flag_poll.poll(self.flags, index)
 
     @staticmethod
-    def available(device: torch.device) -> bool:
+    def available(device: torch.device, wait: bool = False) -> bool:
         """Whether polling works on `device`: a CUDA device where the Triton poll compiled and waited for a
-        flag that another stream set after a delay (checked once per device)."""
+        flag that another stream set after a delay (checked once per device, in the background: False until
+        the check is done, unless `wait`)."""
         if not ENABLED or device.type != "cuda":
             return False
         index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _AVAILABLE:
-            _AVAILABLE[index] = _works(torch.device("cuda", index))
-        return _AVAILABLE[index]
+        with _LOCK:
+            if index in _AVAILABLE:
+                return _AVAILABLE[index]
+        CopyFlags.warm_up(device)
+        if wait:
+            with _LOCK:
+                thread = _CHECKING.get(index)
+            if thread is not None:
+                thread.join()
+        with _LOCK:
+            return _AVAILABLE.get(index, False)
+
+    @staticmethod
+    def warm_up(device: torch.device) -> None:
+        """Start checking `device` in a background thread, unless it is checked or being checked."""
+        if not ENABLED or device.type != "cuda":
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with _LOCK:
+            if index in _AVAILABLE or index in _CHECKING:
+                return
+            thread = threading.Thread(target=_check, args=(index,), name=f"sluice-copy-flags-cuda{index}",
+                                      daemon=True)
+            _CHECKING[index] = thread
+        thread.start()
+
+
+def _check(index: int) -> None:
+    works = _works(torch.device("cuda", index))
+    with _LOCK:
+        _AVAILABLE[index] = works
+        _CHECKING.pop(index, None)
 
 
 def _works(device: torch.device) -> bool:
@@ -66,16 +105,18 @@ def _works(device: torch.device) -> bool:
         from engine.memory import flag_poll
 
         with torch.cuda.device(device):
-            flags = CopyFlags(1, device)
-            seen = torch.zeros(1, dtype=torch.int32, device=device)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                torch.cuda._sleep(1_000_000)  # about a millisecond: the poll must really wait
-                flags.set_after_copy(0)
-            flag_poll.poll(flags.flags, 0)
-            seen.copy_(flags.flags)  # after the poll on this stream: 1 only if the poll waited
-            torch.cuda.synchronize(device)
+            main, side = torch.cuda.Stream(device), torch.cuda.Stream(device)  # never the legacy stream
+            with torch.cuda.stream(main):
+                flags = CopyFlags(1, device)
+                seen = torch.zeros(1, dtype=torch.int32, device=device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(1_000_000)  # about a millisecond: the poll must really wait
+                    flags.set_after_copy(0)
+                flag_poll.poll(flags.flags, 0)
+                seen.copy_(flags.flags)  # after the poll on this stream: 1 only if the poll waited
+            side.synchronize()
+            main.synchronize()
             return bool(seen.item() == 1)
     except Exception as error:  # noqa: BLE001 - any failure (no Triton, no compiler) keeps the events
         log.info("cuda: copy flags unavailable (%s); captured calls wait for copies with events", error)

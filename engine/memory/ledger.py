@@ -22,6 +22,7 @@ from engine.devices import GIB, ComputeDevice, memory_info
 
 MIB = 1024**2
 DEFAULT_RESERVE = 512 * MIB
+CUBLAS_STREAMS = 2  # streams that run matrix products: the compute stream and CUDA graphs' capture stream
 RUN_REFRESH = 0.5  # seconds: how stale the live free-memory reading may be when a run starts
 KINDS = ("weights", "workspace")
 
@@ -50,6 +51,24 @@ def resolve_budget(
         return int(spec_value * GIB)
     _, free = (free_memory_fn or (lambda: memory_info(device)))()
     return max(0, free - int(-spec_value * GIB))
+
+
+def cublas_workspace_bytes(device: ComputeDevice) -> int:
+    """The workspace torch gives cuBLAS on each CUDA stream that runs a matrix product (32 MiB on an H200),
+    measured on a new stream and handed back (torch keeps one per stream for good, outside any ledger)."""
+    import torch
+
+    with torch.cuda.device(device.torch_device):
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            a = torch.ones(8, 8, dtype=torch.float16, device=device.torch_device)
+            before = torch.cuda.memory_allocated()
+            product = a @ a
+            workspace = torch.cuda.memory_allocated() - before - product.untyped_storage().nbytes()
+            stream.synchronize()
+        del a, product
+        torch._C._cuda_clearCublasWorkspaces()  # the probe stream's (and the others', made again on use)
+    return max(0, workspace - 512)  # the product's block rounds up to 512 bytes
 
 
 def live_free_memory(device: ComputeDevice) -> FreeMemoryFn:
@@ -108,7 +127,11 @@ class DeviceLedger:
     ) -> DeviceLedger:
         """A ledger of a real device: budget from `--max-vram` semantics, live free memory from the device."""
         free_fn = live_free_memory(device)
-        return cls(device.name, resolve_budget(max_vram_gib, device, free_fn), reserve_bytes, free_fn, bus)
+        budget = resolve_budget(max_vram_gib, device, free_fn)
+        ledger = cls(device.name, budget, reserve_bytes, free_fn, bus)
+        if device.torch_device.type == "cuda":
+            ledger.track_library("cuBLAS", CUBLAS_STREAMS * cublas_workspace_bytes(device))
+        return ledger
 
     def tracked(self, module: str | None = None, kind: str | None = None) -> int:
         """Tracked bytes, optionally of one module and/or kind (all, or all of a kind: O(1))."""
@@ -211,6 +234,20 @@ class DeviceLedger:
     def _count(self, kind: str, delta: int) -> None:
         self._total += delta
         self._by_kind[kind] = self._by_kind.get(kind, 0) + delta
+
+    def track_library(self, library: str, nbytes: int) -> None:
+        """Track memory a library keeps for good on this device (cuBLAS' workspaces): a workspace of module
+        `library` that is never idle, so it is never reclaimed. It is there whether it fits or not, so it is
+        tracked without the budget check."""
+        with self._lock:
+            previous = self._tracked.get((library, "workspace", "library"))
+            delta = nbytes - (previous.nbytes if previous is not None else 0)
+            allocation = _Allocation(nbytes)
+            self._tracked[(library, "workspace", "library")] = allocation
+            self._workspaces[(library, "library")] = allocation
+            self._count("workspace", delta)
+            self.peak_tracked = max(self.peak_tracked, self.tracked())
+            self._publish(library, "workspace", "library", delta)
 
     def set_idle(self, module: str, key: str) -> None:
         """Mark a workspace as not in use: kept for reuse, reclaimable under pressure."""

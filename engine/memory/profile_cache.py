@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.jsonfile import JsonInputError, load_json
 from engine.settings import SettingsError, cache_dir
 
 if TYPE_CHECKING:
@@ -48,6 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sluice.cache")
 
 FORMAT = 1  # part of every key: bump it when a value's meaning changes
+MAX_ENTRY_CHARS = 16 * 1024 * 1024  # a stage profile of the largest model is a few hundred KiB
 
 _identities: dict[str, dict[str, Any]] = {}  # str(device) -> device_identity
 
@@ -82,9 +82,11 @@ class ProfileCache:
         except (OSError, UnicodeDecodeError) as error:
             self.warn(path, f"cannot read {path} ({error}); measuring instead")
             return None
-        try:
-            entry = load_json(text, "the entry")
-        except JsonInputError as error:
+        try:  # the cache's own files: json.loads (10x faster than load_json's checks), within a size limit
+            if len(text) > MAX_ENTRY_CHARS:
+                raise ValueError(f"{len(text)} characters, over the {MAX_ENTRY_CHARS} an entry may have")
+            entry = json.loads(text)
+        except (ValueError, RecursionError) as error:
             self.warn(path, f"{path} is not valid JSON ({error}); measuring instead")
             return None
         if not isinstance(entry, dict) or "value" not in entry or entry.get("key") != _as_stored(key):

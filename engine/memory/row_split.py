@@ -11,6 +11,10 @@ segment prefetch); the bias stays an ordinary parameter of the module, so the ma
 it with the rest of the model. Which linears: every `nn.Linear` inside a block list, an `nn.ModuleList`
 attribute named in `BLOCK_LISTS` (the UNet's `transformer_blocks`, CLIP's `layers` or `resblocks`, FLUX's
 `double_blocks` and `single_blocks`, T5's `block`).
+
+A quantised linear (engine/quant/modules.py) whose stored rows are its output features keeps its shards
+quantised, each dequantised on its device as it computes; one stored in other rows (a ComfyUI-GGUF tensor
+reshaped to 256-element rows) is dequantised to its bias's dtype (float32 without a bias) before sharding.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.quant.dequant import dequantize
 
 BLOCK_LISTS = ("transformer_blocks", "layers", "resblocks", "double_blocks", "single_blocks", "block")
 
@@ -50,15 +56,20 @@ class RowShardedLinear(nn.Module):
         shards: Sequence[tuple[torch.device | str, float]],
         name: str = "linear",
         reserve: Reserve | None = None,
+        qtype: str | None = None,
+        in_features: int | None = None,
     ) -> None:
         """`weight` [out, in] is sliced by rows over `shards` (device, fraction); the first device is the
-        main one. `reserve` is called with each slice's bytes before it is allocated on its device."""
+        main one. `reserve` is called with each slice's bytes before it is allocated on its device. A
+        quantised `weight` is its stored bytes [out, row bytes] of GGML type `qtype` with `in_features`
+        elements a row."""
         super().__init__()
         if weight.ndim != 2:
             raise ValueError(f"{name}: a row split needs a 2-D weight, got shape {tuple(weight.shape)}")
         devices = [torch.device(device) for device, _ in shards]
         counts = split_rows(weight.shape[0], [fraction for _, fraction in shards])
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.qtype = qtype
+        self.in_features, self.out_features = in_features or weight.shape[1], weight.shape[0]
         self.main_device = devices[0]
         self.rows: list[tuple[int, int]] = []  # (start, stop) of each kept slice, in output order
         self.shards: list[torch.Tensor] = []  # [rows, in] slices, each on its device
@@ -89,11 +100,17 @@ class RowShardedLinear(nn.Module):
         order = sorted(range(len(self.shards)), key=lambda i: self.shards[i].device == x.device)
         partial: list[torch.Tensor | None] = [None] * len(self.shards)
         for i in order:
-            shard = self.shards[i].to(x.dtype)  # a stored (fp8) weight computes in the input's dtype
+            shard = self._weight(i, x.dtype)  # a stored (fp8, quantised) weight computes in the input's dtype
             partial[i] = F.linear(inputs[shard.device], shard)  # (..., rows of slice i)
         gathered = [p.to(x.device, non_blocking=True) for p in partial]
         out = gathered[0] if len(gathered) == 1 else torch.cat(gathered, dim=-1)  # (..., out_features)
         return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    def _weight(self, index: int, dtype: torch.dtype) -> torch.Tensor:
+        shard = self.shards[index]
+        if self.qtype is None:
+            return shard.to(dtype)
+        return dequantize(shard, self.qtype, (shard.shape[0], self.in_features), dtype)
 
     def extra_repr(self) -> str:
         slices = ", ".join(f"{a}:{b}@{d}" for (a, b), d in zip(self.rows, self.devices, strict=True))
@@ -136,8 +153,12 @@ def shard_transformer_linears(
                 raise ValueError(f"tensor {name}.weight has shape {tuple(tensor.shape)}, the model expects "
                                  f"{tuple(weight.shape)}")
             weight = tensor.to(weight.dtype)
+        qtype = getattr(linear, "qtype", None)
+        if qtype is not None and weight.shape[0] != linear.out_features:  # stored in other rows: expand
+            dtype = linear.bias.dtype if linear.bias is not None else torch.float32
+            weight, qtype = dequantize(weight, qtype, tuple(linear.weight_shape), dtype), None
         sharded = RowShardedLinear(weight.detach(), linear.bias, list(zip(devices, fractions, strict=True)),
-                                   name, reserve)
+                                   name, reserve, qtype, linear.in_features)
         parent_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attribute, sharded)
     if names and hasattr(model, "forget_stages"):

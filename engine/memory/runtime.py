@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ from engine.memory.layer_split import (
     plan_layer_split,
     split_capacity,
 )
-from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, live_free_memory, resolve_budget
+from engine.memory.ledger import MIB, BudgetExceeded, DeviceLedger, resolve_budget
 from engine.memory.row_split import block_linears, shard_transformer_linears
 from engine.memory.segments import SegmentPlan, SegmentRunner, StageProfile
 from engine.memory.weight_store import HOMES, Source, WeightStore
@@ -62,16 +62,14 @@ from engine.placement import (
     MODES,
     SPLIT_MODES,
     MemorySettings,
-    PlacementError,
     canonical_module,
     max_vram_for,
     parse_modes,
-    placement_for,
+    resolve_node_placement,
     settings_from_namespace,
 )
 
 log = logging.getLogger("sluice.memory")
-NODE_PARAMS = ("auto", "device", "cpu", "disk")  # a loader node's params_backend choices
 
 
 @dataclass(frozen=True)
@@ -146,6 +144,25 @@ class ModuleMemory:
         """Drop the device copies of every model of the bundle (end of its phase)."""
         return sum(self.runtime.release(name) for name in self.names)
 
+    @contextlib.contextmanager
+    def holding(self, key: str, nbytes: int) -> Iterator[None]:
+        """Track `nbytes` that a caller keeps on the compute device for the duration of the block (a
+        sampler's latents, CFG batches and conditioning), as a workspace of the first model's module, so
+        that the model's segment plans leave room for it. Other modules' idle copies go first if needed."""
+        ledger = self.runtime.ledger(self.compute)
+        name = self.names[0]
+        try:
+            ledger.allocate(name, "workspace", key, nbytes)
+        except BudgetExceeded:
+            module = self.runtime._module(name)
+            self.runtime._release_others(module, module.parts[0])
+            module.store.evict_until_fits(nbytes, module.device.torch_device)
+            ledger.allocate(name, "workspace", key, nbytes)
+        try:
+            yield
+        finally:
+            ledger.release(name, "workspace", key)
+
 
 class MemoryRuntime:
     def __init__(
@@ -166,6 +183,7 @@ class MemoryRuntime:
         self._modules: dict[str, _Module] = {}
         self._backend_choices: dict[tuple, bool] = {}  # flash attention and direct convolution choices
         self._split_modes: dict[str, str] = {}  # module -> split mode of its last resolved placement
+        self._last_run_on: dict[str, str] = {}  # device name -> the module that ran there last
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- configuration
@@ -201,36 +219,15 @@ class MemoryRuntime:
 
         Also applies the process-wide part (budgets, prefetch, segmentation) to the runtime.
         """
-        params_choice = node_params.strip().lower()
-        if params_choice not in NODE_PARAMS:
-            accepted = ", ".join(NODE_PARAMS)
-            raise PlacementError(f"unknown params_backend {node_params!r}; accepted: {accepted}")
-        workflow = MemorySettings.from_dict(workflow_memory or {})
+        placed = resolve_node_placement(module, workflow_memory, node_backend, node_params, self.overrides,
+                                        self.devices)
         flags = argparse.Namespace(**self.overrides)
-        process = settings_from_namespace(flags, workflow)
+        process = settings_from_namespace(flags, MemorySettings.from_dict(workflow_memory or {}))
         if _process_part(process) != _process_part(self.settings):
             self.configure(process)
-        backend = workflow.backend
-        if node_backend.strip().lower() not in ("", "auto"):
-            self.device(node_backend)  # a clear DeviceError for a name that resolves to nothing
-            backend = f"{backend},{module}={node_backend.strip()}"
-        settings = settings_from_namespace(flags, dataclasses.replace(workflow, backend=backend))
-        placement = placement_for(module, settings, self.devices)
-        devices = tuple(self.device(name).name for name in placement.compute)
-        compute = self.device(devices[0])
-        self._split_modes[placement.module] = placement.split_mode
-        cli_params = self.overrides.get("params_backend") or any(
-            self.overrides.get(flag) for flag in ("offload_to_cpu", "dit_offload", "text_encoder_offload",
-                                                  "vae_offload"))
-        if cli_params or (params_choice == "auto" and settings.params_backend is not None):
-            params: str | None = placement.params
-        elif params_choice != "auto":
-            unified = params_choice == "cpu" and compute.kind in ("cpu", "igpu")
-            params = "device" if unified else params_choice
-        else:
-            params = None if settings.auto_fit else "device"
-        return ResolvedPlacement(placement.module, compute.name, params, settings, devices,
-                                 placement.split_mode)
+        self._split_modes[placed.module] = placed.split_mode
+        return ResolvedPlacement(placed.module, placed.compute[0], placed.params, placed.settings,
+                                 placed.compute, placed.split_mode)
 
     def split_mode(self, module: str) -> str:
         """The split mode (layer or row) of `module`'s last resolved placement, else of the settings."""
@@ -249,10 +246,7 @@ class MemoryRuntime:
             device = self.device(device_name)
             if device.name not in self.ledgers:
                 gib = max_vram_for(device, self.settings.max_vram, self.devices)
-                free = live_free_memory(device)
-                self.ledgers[device.name] = DeviceLedger(
-                    device.name, resolve_budget(gib, device, free), free_memory_fn=free, bus=self.bus
-                )
+                self.ledgers[device.name] = DeviceLedger.for_device(device, gib, bus=self.bus)
                 self._own_ledgers.add(device.name)
             return self.ledgers[device.name]
 
@@ -457,6 +451,7 @@ class MemoryRuntime:
         return state
 
     def _run_part(self, module: _Module, part: _Part, stages: Sequence[Stage], state: State) -> State:
+        self._trim_cache_between_modules(module, part)
         self._make_room(module, part, stages)
         with _current(part.device):
             try:
@@ -467,6 +462,19 @@ class MemoryRuntime:
                 state = part.runner.run(stages, state, module.name)
         self._log_summary(module, part)
         return state
+
+    def _trim_cache_between_modules(self, module: _Module, part: _Part) -> None:
+        """Under a CUDA budget, hand torch's cached free blocks back to the driver when another module starts
+        on the device (text encoders, then the diffusion model, then the VAE): the blocks one phase freed
+        would otherwise stay reserved beside the next phase's, and what nvidia-smi shows (reserved) grew to
+        2.7x a 1 GiB budget for SDXL (bench/e2e.py, session 16). A few milliseconds per phase."""
+        device = part.device
+        if device.torch_device.type != "cuda" or part.runner.ledger.budget_bytes is None:
+            return
+        if self._last_run_on.get(device.name) not in (None, module.name):
+            torch.cuda.synchronize(device.torch_device)
+            torch.cuda.empty_cache()
+        self._last_run_on[device.name] = module.name
 
     def _flash_attention(self, module: _Module, model: nn.Module) -> bool:
         """--flash-attn for the module's kind (auto: probed once per device, attention_probe.py); a module on
@@ -488,7 +496,7 @@ class MemoryRuntime:
                         kinds: Collection[str], enabled: Callable[..., bool]) -> bool:
         """Whether `flag` (its `value`: per-kind on|off|auto) is on for the module on all of its devices;
         decided once per flag, kind, dtype and devices."""
-        dtype = next(model.parameters()).dtype
+        dtype = _compute_dtype(model)
         key = (flag, module.kind, value, dtype, module.devices)
         if key not in self._backend_choices:
             modes = parse_modes(value, flag, MODES, kinds)
@@ -587,6 +595,15 @@ def _current(device: ComputeDevice) -> contextlib.AbstractContextManager:
     if device.torch_device.type == "cuda":
         return torch.cuda.device(device.torch_device)
     return contextlib.nullcontext()
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a model computes in: its `dtype` attribute where it has one, else its first floating-point
+    parameter's (a quantised layer's weight is uint8 bytes)."""
+    dtype = getattr(model, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _process_part(settings: MemorySettings) -> tuple:

@@ -162,6 +162,8 @@ class SegmentRunner:
         self.profile: StageProfile | None = None  # the last measured shape's per-stage times and peaks
         self._cache = profile_cache.default_cache() if cache is None else cache
         self._profile_keys: dict[tuple, dict] = {}  # shape signature -> its cache key, while being timed
+        if segmented and prefetch and graphs:
+            CopyFlags.warm_up(self.device)  # compiles the poll kernel while the loader and encoders work
 
     def _stage_keys(self, stages: Sequence[Stage]) -> list[list[str]]:
         """The keys each stage reads: the last call's when the stages are the same objects (a model that
@@ -290,6 +292,7 @@ class SegmentRunner:
         flags = None  # compute polls a flag per streamed copy where it can (copy_flags.py), else waits
         if self.prefetch and any(s.streamed for s in plan.segments) and CopyFlags.available(self.device):
             flags = CopyFlags(len(plan.segments), self.device)
+        self.store.wait_pinned()  # a graph may not copy from pageable memory
         torch.cuda.synchronize(self.device)
         # the eager calls before left freed blocks in the caching allocator; the graph's pool is new memory,
         # so hand those back first: what nvidia-smi shows (reserved) then stays near the budget
@@ -591,7 +594,10 @@ class SegmentRunner:
         capacity = self._capacity()
         seconds = self._seconds.get(signature)
         budget = self.ledger.budget_bytes
-        cache_key = (self.module, len(stages), signature, budget, workspace, self._timed.get(signature, 0))
+        # the copy flags' readiness changes the modelled rates: the plan is made again once they are ready
+        polled = CopyFlags.available(self.device) if self.segmented and self.prefetch else False
+        timed = self._timed.get(signature, 0)
+        cache_key = (self.module, len(stages), signature, budget, workspace, polled, timed)
         cached = self._plans.get(cache_key)
         if cached is not None and self._still_good(cached, capacity):
             if cached is not self.plan:

@@ -14,9 +14,10 @@ Conventions are ComfyUI's, so that ComfyUI-style nodes compose:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from engine.models.conditioning import (
     sdxl_adm,
     sdxl_refiner_adm,
 )
+from engine.models.control import Control
 from engine.models.staged import Stage
 from engine.models.tokenizer import CLIPTokenizer
 from engine.models.unet import UNetModel
@@ -49,6 +51,7 @@ ConditioningList = list[list[Any]]  # [[context, {"pooled_output": ..., ...}], .
 
 TEXT_FAMILIES = ("sd1", "sd2", "sdxl", "sdxl_refiner")
 EMBEDDING_KEYS = {"clip_l": ("clip_l",), "openclip_g": ("clip_g",), "openclip_h": ("clip_h",)}
+SAMPLER_STATE_LATENTS = 16  # float32 latent-sized tensors a sampler and its CFG batch keep on the device
 REFINER_AESTHETIC_SCORE = 6.0  # sgm's default for the refiner's positive prompt
 
 
@@ -114,14 +117,18 @@ class DiffusionModel:
 
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None) -> torch.Tensor:
+              y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
+              control: Mapping[str, list] | None = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
-        The model's output-block patches (FreeU) run inside the UNet.
+        The model's output-block patches (FreeU) run inside the UNet, and so do `control`'s residuals
+        (ControlNet, T2I-Adapter: engine/models/control.py).
         """
         patches = tuple(self.options.get("output_block_patches", ()))
-        options = {"output_block_patches": patches} if patches else {}
+        options: dict[str, Any] = {"output_block_patches": patches} if patches else {}
+        if control is not None:
+            options["control"] = control
         return self.run_network(x, timesteps, context, y, **options)
 
     def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None, **options: Any) -> torch.Tensor:
@@ -141,13 +148,30 @@ class DiffusionModel:
         return Denoiser(self.apply, self.model_sampling, resolve=self.guidance_conditioning,
                         cfg_function=self.options.get("sampler_cfg_function"))
 
+    @contextlib.contextmanager
+    def holding_sampler_state(self, samples: torch.Tensor, *conditionings: Any) -> Iterator[None]:
+        """Track the sampler's own device tensors in the memory runtime while it samples `samples`: its
+        latents (SAMPLER_STATE_LATENTS float32 copies of them: x, denoised, noise, derivatives, a multistep
+        sampler's history, the CFG batch in and out) and each conditioning twice (as given and batched for
+        CFG). Untracked, they took SDXL 2 to 4 MiB over its budget (bench/e2e.py, session 16)."""
+        if self.memory is None or not self.memory.holds(0, self.unet):
+            yield
+            return
+        text = sum(t.numel() * t.element_size() for c in conditionings if isinstance(c, list)
+                   for entry in c for t in (entry[0], *entry[1].values()) if isinstance(t, torch.Tensor))
+        nbytes = SAMPLER_STATE_LATENTS * samples.numel() * 4 + 2 * samples.shape[0] * text
+        with self.memory.holding("sampler state", nbytes):
+            yield
+
     def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
                               ) -> list[guidance.Conditioning]:
         """ComfyUI CONDITIONING -> the sampler's entries for a width x height pixel image (also the SDXL size
         defaults): per entry its context, y, guidance (FluxGuidance's, None without) and where and when it
         applies (engine/models/conditioning.py, sampler_entries)."""
-        return sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
-                               lambda context, extras: self._model_inputs(context, extras, width, height))
+        entries = sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
+                                  lambda context, extras: self._model_inputs(context, extras, width, height))
+        return [dataclasses.replace(entry, control=entry.control.bound(self.model_sampling, self.unet))
+                if isinstance(entry.control, Control) else entry for entry in entries]
 
     def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any], width: int, height: int,
                       ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:

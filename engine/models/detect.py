@@ -263,7 +263,9 @@ def _numel(shape: Sequence[int]) -> int:
 # ---------------------------------------------------------------- component configs
 
 
-def _unet_config(t: _Table, p: str) -> UNetConfig:
+def _unet_config(t: _Table, p: str, encoder_only: bool = False) -> UNetConfig:
+    """The UNet config under prefix `p`; `encoder_only` for a ControlNet's copy of the encoder half (no output
+    blocks; out_channels is then in_channels)."""
     model_channels, in_channels = t.shape(f"{p}input_blocks.0.0.weight")[:2]
     res_blocks: list[int] = [0]
     widths: list[set[int]] = [set()]
@@ -292,7 +294,7 @@ def _unet_config(t: _Table, p: str) -> UNetConfig:
     channel_mult = tuple(next(iter(w)) // model_channels for w in widths)
     transformer_depth = tuple(next(iter(d)) for d in depths)
     expected_outputs = sum(r + 1 for r in res_blocks)
-    if len(t.indices(f"{p}output_blocks.")) != expected_outputs:
+    if not encoder_only and len(t.indices(f"{p}output_blocks.")) != expected_outputs:
         raise UnsupportedModelError(
             f"{t.name}: UNet has {len(t.indices(f'{p}output_blocks.'))} output blocks; its input blocks "
             f"({res_blocks} ResBlocks per level) call for {expected_outputs}"
@@ -307,7 +309,7 @@ def _unet_config(t: _Table, p: str) -> UNetConfig:
     num_heads, num_head_channels = _unet_heads(t, use_linear, attention_widths)
     return UNetConfig(
         in_channels=in_channels,
-        out_channels=t.shape(f"{p}out.2.weight")[0],
+        out_channels=in_channels if encoder_only else t.shape(f"{p}out.2.weight")[0],
         model_channels=model_channels,
         channel_mult=channel_mult,
         num_res_blocks=res_blocks[0] if len(set(res_blocks)) == 1 else tuple(res_blocks),
@@ -564,6 +566,14 @@ def detect(
         unassigned=unassigned,
         unassigned_examples=examples,
     )
+
+
+def unet_encoder_config(source: CheckpointReader | Mapping[str, Any], prefix: str = "",
+                        metadata: Mapping[str, str] | None = None) -> UNetConfig:
+    """The UNet config of the encoder half under `prefix` (a ControlNet's copy: embedders, input blocks,
+    middle block) by the UNet rules of the module docstring; family is the layout they tell (sd1, sdxl...)."""
+    unet = _unet_config(_as_table(source, metadata), prefix, encoder_only=True)
+    return dataclasses.replace(unet, family=_layout(unet, []))
 
 
 def describe_keys(keys: Sequence[str]) -> dict[str, int]:

@@ -6,7 +6,9 @@ the same for SD files). A diffusers-layout transformer is converted to BFL names
 layers keep an fp8 file's `float8_e4m3fn` / `float8_e5m2` weights as they are (or store a wider file's in fp8
 when the UNETLoader's weight_dtype asks for it), half the bytes of bf16 in memory and on every streamed copy,
 and cast each to the compute dtype as it runs; the text encoders upcast fp8 tensors as they are read.
-Quantised (GGUF) weights that stay quantised are issue 17's.
+Linear weights a GGUF file stores quantised rest quantised and are dequantised as each layer runs, and
+`types` (`--type`) quantises float ones as they load (engine/quant/loading.py); a diffusers-layout
+transformer's quantised tensors, which are combined as they are read, load dequantised.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from engine.models.flux_bundles import (
     plain_t5,
 )
 from engine.models.flux_keys import diffusers_flux_getter
-from engine.models.formats import CheckpointReader, open_checkpoint
+from engine.models.formats import CheckpointReader
 from engine.models.loader import adopt_lifetime, default_dtype, module_memory
 from engine.models.t5 import T5Config, T5Encoder, t5_key_map
 from engine.models.weights import bind_weights
+from engine.quant.loading import WeightTypes, quantise_model, reopen
 from engine.sampling.model_sampling import FlowMatching, FluxFlowMatching
 
 FLUX_DEV_SHIFT = 1.15  # ComfyUI's sampling_settings for FLUX dev (ModelSamplingFlux)
@@ -107,19 +110,19 @@ def _flux_getter(reader: CheckpointReader, info: ModelInfo) -> Getter:
 
 
 def build_flux_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
-                         target) -> FluxDiffusionModel:
+                         target, types: WeightTypes | None = None) -> FluxDiffusionModel:
     """The FLUX transformer of `reader` as a MODEL bundle, bound or registered per `target`."""
     config: FluxConfig = info.flux
     compute = flux_dtype(target.device.torch_device, dtype)
-    stored = reader.info(info.components["diffusion"] + _first_matrix(info)).dtype
+    prefix = info.components["diffusion"]
+    stored = reader.info(prefix + _first_matrix(info)).dtype
     model = FluxTransformer(config, dtype=compute, device="meta",
                             weight_dtype=flux_weight_dtype(dtype, stored, compute))
-
-    def reopen() -> Getter:
-        return _flux_getter(open_checkpoint(reader.path), info)
-
+    bfl = info.flux_layout != "diffusers"
+    reader = quantise_model(model, reader, lambda name: prefix + name if bfl else None, types,
+                            target.device.torch_device)
     name = _bind_from(model, _flux_getter(reader, info), target, "diffusion", "FLUX transformer", reader.path,
-                      reopen)
+                      lambda: _flux_getter(reopen(reader), info))
     sampling = (FluxFlowMatching(shift=FLUX_DEV_SHIFT) if config.guidance_embed
                 else FlowMatching(shift=FLUX_SCHNELL_SHIFT, multiplier=1.0))
     memory = module_memory(target, "diffusion", [name], [model])
@@ -149,40 +152,40 @@ def _t5_getter(reader: CheckpointReader, prefix: str) -> Getter:
 
 
 def _build_t5(reader: CheckpointReader, config: T5Config, prefix: str, dtype: torch.dtype | None,
-              target) -> tuple[T5Encoder, str | None]:
+              target, types: WeightTypes | None = None) -> tuple[T5Encoder, str | None]:
     dtype = flux_dtype(target.device.torch_device, dtype)
     model = T5Encoder(config, dtype=dtype, device="meta")
+    mapping = t5_key_map([k[len(prefix):] for k in reader.keys() if k.startswith(prefix)])
+    reader = quantise_model(model, reader, lambda name: prefix + mapping.get(name, name), types,
+                            target.device.torch_device)
     name = _bind_from(model, _t5_getter(reader, prefix), target, "te", "T5 text encoder", reader.path,
-                      lambda: _t5_getter(open_checkpoint(reader.path), prefix))
+                      lambda: _t5_getter(reopen(reader), prefix))
     return model, name
 
 
 def _build_clip_l(reader: CheckpointReader, config: TextEncoderConfig, dtype: torch.dtype | None,
-                  target) -> tuple[CLIPTextModel, str | None]:
+                  target, types: WeightTypes | None = None) -> tuple[CLIPTextModel, str | None]:
     """CLIP-L without its projection: FLUX reads the unprojected pooled feature."""
     config = dataclasses.replace(config, kind="clip_l", activation="quick_gelu", projection_dim=None)
     prefix = component_prefix(config)
     dtype = dtype or default_dtype("te", target.device.torch_device, None)
     model = CLIPTextModel(config, dtype=dtype, device="meta")
+    reader = quantise_model(model, reader, lambda name: prefix + name, types, target.device.torch_device)
 
-    def get(name: str) -> torch.Tensor:
-        return reader.get(prefix + name)
+    def getter(source: CheckpointReader) -> Getter:
+        return _checked(lambda name: source.get(prefix + name), source.path, "CLIP-L text encoder")
 
-    def reopen() -> Getter:
-        other = open_checkpoint(reader.path)
-        return lambda name: other.get(prefix + name)
-
-    name = _bind_from(model, _checked(get, reader.path, "CLIP-L text encoder"), target, "te",
-                      "CLIP-L text encoder", reader.path, reopen)
+    name = _bind_from(model, getter(reader), target, "te", "CLIP-L text encoder", reader.path,
+                      lambda: getter(reopen(reader)))
     return model, name
 
 
 def flux_text_encoder(clip_l: tuple[CheckpointReader, TextEncoderConfig],
                       t5: tuple[CheckpointReader, T5Config, str], dtype: torch.dtype | None,
-                      target) -> FluxTextEncoder:
+                      target, types: WeightTypes | None = None) -> FluxTextEncoder:
     """ComfyUI's CLIP of type flux from CLIP-L's and T5's sources (one file or two)."""
-    clip_model, clip_name = _build_clip_l(*clip_l, dtype, target)
-    t5_model, t5_name = _build_t5(*t5, dtype, target)
+    clip_model, clip_name = _build_clip_l(*clip_l, dtype, target, types)
+    t5_model, t5_name = _build_t5(*t5, dtype, target, types)
     memory = module_memory(target, "te", [clip_name, t5_name], [clip_model, t5_model])
     if memory is None:
         conditioner = FluxConditioner(clip_model, plain_t5(t5_model))

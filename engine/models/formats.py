@@ -12,6 +12,7 @@ import io
 import os
 import pickle
 import struct
+import threading
 import zipfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ import numpy as np
 import torch
 
 from engine.jsonfile import JsonInputError, load_json
+from engine.quant.dequant import dequantize
+from engine.quant.gguf_file import GGUFFormatError, read_gguf_header
+from engine.quant.types import DEQUANTIZABLE
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -137,7 +141,8 @@ class CheckpointReader(ABC):
         self.close()
 
     def _unsupported_type_message(self, key: str, type_name: str) -> str:
-        return f"quantised GGUF type {type_name} for tensor {key} is not supported yet (file {self.path})"
+        return (f"tensor {key} is quantised (GGML type {type_name}) and has no torch dtype; read its bytes "
+                f"with get_raw, or get it dequantised (file {self.path})")
 
     @abstractmethod
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor: ...
@@ -477,31 +482,6 @@ class TorchZipReader(CheckpointReader):
 # ---------------------------------------------------------------- GGUF
 
 
-def _gguf_reader_class() -> type:
-    from gguf import GGML_QUANT_SIZES, GGUFReader
-
-    class CheckedGGUFReader(GGUFReader):
-        """GGUFReader that checks every tensor's data lies inside the file before mapping it."""
-
-        def _build_tensors(self, start_offs: int, fields: list) -> None:
-            from gguf import GGMLQuantizationType
-
-            for field in fields:
-                _, name_data, _, dims, raw_type, offset = field.parts
-                name = bytes(name_data).decode("utf-8", "replace")
-                qtype = GGMLQuantizationType(int(raw_type[0]))
-                block, type_size = GGML_QUANT_SIZES[qtype]
-                end = int(start_offs + offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_size // block
-                if end > len(self.data):
-                    raise CheckpointError(
-                        f"truncated GGUF file: tensor '{name}' ends at byte {end}, "
-                        f"the file holds {len(self.data)}"
-                    )
-            super()._build_tensors(start_offs, fields)
-
-    return CheckedGGUFReader
-
-
 GGUF_TORCH_TYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -512,52 +492,92 @@ GGUF_TORCH_TYPES = {
     "I32": torch.int32,
     "I64": torch.int64,
 }
+ORIG_SHAPE_FIELD = "comfy.gguf.orig_shape."  # ComfyUI-GGUF: the logical shape of a tensor stored reshaped
 
 
 class GGUFCheckpointReader(CheckpointReader):
-    """GGUF via gguf-py's memory-mapped reader; GGUF dims run innermost-first, torch shapes reverse them."""
+    """GGUF, header parsed and checked by engine.quant.gguf_file; GGUF dims run innermost-first, torch shapes
+    reverse them (or are ComfyUI-GGUF's stored original shape). Quantised tensors are read as their bytes
+    (`get_raw`); `get` dequantises them to float32."""
 
     format = "gguf"
 
     def __init__(self, path: Path):
         try:
-            self._reader = _gguf_reader_class()(path, "r")
-        except CheckpointError as exc:
+            header = read_gguf_header(path)
+        except GGUFFormatError as exc:
             raise CheckpointError(f"{exc} ({path})") from None
-        except Exception as exc:
+        except (OSError, ValueError) as exc:
             raise CheckpointError(f"corrupt or truncated GGUF file {path}: {exc}") from None
-        self._by_name = {t.name: t for t in self._reader.tensors}
+        self.header = header
+        self._file: io.BufferedReader | None = None
+        self._lock = threading.Lock()
         tensors = {
-            t.name: TensorInfo(
-                tuple(int(d) for d in reversed(t.shape.tolist())),
-                t.tensor_type.name,
-                GGUF_TORCH_TYPES.get(t.tensor_type.name),
-                int(t.n_bytes),
-            )
-            for t in self._reader.tensors
+            name: TensorInfo(self._logical_shape(name), t.ggml_type.name,
+                             GGUF_TORCH_TYPES.get(t.ggml_type.name), t.nbytes)
+            for name, t in header.tensors.items()
         }
-        super().__init__(path, tensors, _gguf_metadata(self._reader))
+        from dataclasses import replace
+
+        from engine.models.gguf_layout import gguf_layout  # names and shapes of ComfyUI-GGUF and sd.cpp files
+
+        tensors, names = gguf_layout(header.fields.get("general.architecture"), tensors, path)
+        self.header = replace(header, tensors={key: header.tensors[name] for key, name in names.items()})
+        metadata = {key: str(value) for key, value in header.fields.items() if not isinstance(value, list)}
+        super().__init__(path, tensors, metadata)
+
+    def fields(self) -> dict[str, Any]:
+        """Every key-value field with its typed value (lists for arrays: tokenizer vocabularies, shapes)."""
+        return dict(self.header.fields)
+
+    def get_raw(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's stored bytes, uint8 (rows, row_bytes), rows of the innermost GGUF dim; read into `out`
+        (a contiguous CPU uint8 tensor of `nbytes(key)` elements, pinned memory for instance) when given.
+        Types engine.quant.dequantize cannot turn into floats are an error naming the tensor."""
+        info = self.info(key)
+        entry = self.header.tensors[key]
+        if info.dtype is None and info.type_name not in DEQUANTIZABLE:
+            raise UnsupportedTensorTypeError(
+                f"tensor '{key}' of {self.path} has GGML type {info.type_name}, which is not supported; "
+                f"accepted: {', '.join(DEQUANTIZABLE)}"
+            )
+        if out is None:
+            out = torch.empty(entry.nbytes, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous() \
+                or out.numel() != entry.nbytes:
+            raise ValueError(f"get_raw('{key}'): out must be a contiguous CPU uint8 tensor of {entry.nbytes} "
+                             f"elements, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        with self._lock:
+            if self._file is None:
+                self._file = open(self.path, "rb")  # kept open until close()
+            self._file.seek(entry.start)
+            read = self._file.readinto(memoryview(out.numpy()).cast("B")) if entry.nbytes else 0
+        if read != entry.nbytes:
+            raise CheckpointError(f"truncated GGUF file {self.path}: tensor '{key}' needs {entry.nbytes} "
+                                  f"bytes at byte {entry.start}, read {read} (changed since opened?)")
+        row_bytes = entry.row_bytes
+        return out.view(entry.nbytes // row_bytes if row_bytes else 0, row_bytes)
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
-        data = np.array(self._by_name[key].data)  # copy out of the read-only memory map
-        if info.type_name == "BF16":  # gguf-py exposes BF16 as raw bytes
-            return torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).reshape(info.shape)
-        return torch.from_numpy(data).reshape(info.shape)
+        raw = self.get_raw(key)
+        if info.dtype is None:
+            return dequantize(raw, info.type_name, info.shape)
+        return raw.view(-1).view(info.dtype).reshape(info.shape)
+
+    def get(self, key: str, device: str | torch.device = "cpu") -> torch.Tensor:
+        """The tensor as torch; a quantised one dequantised to float32."""
+        return self._load(key, self.info(key)).to(device)
+
+    def _logical_shape(self, name: str) -> tuple[int, ...]:
+        stored = self.header.tensors[name].shape
+        orig = self.header.fields.get(ORIG_SHAPE_FIELD + name)
+        if isinstance(orig, list) and all(isinstance(d, int) and d >= 0 for d in orig) \
+                and int(np.prod(orig, dtype=np.int64)) == int(np.prod(stored, dtype=np.int64)):
+            return tuple(orig)
+        return stored
 
     def close(self) -> None:
-        self._by_name = {}
-        self._reader = None
-
-
-def _gguf_metadata(reader: Any) -> dict[str, str]:
-    from gguf import GGUFValueType
-
-    metadata = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or len(field.types) != 1:
-            continue
-        if field.types[0] == GGUFValueType.STRING:
-            metadata[name] = bytes(field.parts[-1]).decode("utf-8", "replace")
-        elif field.types[0] != GGUFValueType.ARRAY:
-            metadata[name] = str(field.parts[-1].tolist()[0])
-    return metadata
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -46,6 +46,7 @@ from engine.models.unet import UNetModel
 from engine.models.vae import AutoencoderKL
 from engine.models.weights import bind_weights
 from engine.placement import LAYER_SPLIT_MODULES
+from engine.quant.loading import WeightTypes, quantise_model, reopen
 from engine.sampling.model_sampling import EpsPrediction, VPrediction
 
 COMPONENTS = ("diffusion", "te", "vae")
@@ -166,7 +167,7 @@ def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots:
         tensors = _component_tensors(reader, prefix, roots, dtype, target.device.torch_device, skip, segment)
         _bind(model, tensors, what, reader.path)
         return None
-    source_reader = open_checkpoint(reader.path) if target.home == "disk" else reader
+    source_reader = reopen(reader) if target.home == "disk" else reader
 
     def source(name: str) -> torch.Tensor:
         return source_reader.get(prefix + name.removeprefix(segment))
@@ -199,13 +200,14 @@ def _latent_scale(info: ModelInfo) -> float:
 
 
 def _build_diffusion(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | None,
-                     target: _Target) -> DiffusionModel:
+                     target: _Target, types: WeightTypes | None = None) -> DiffusionModel:
     prefix, config, device = info.components["diffusion"], info.unet, target.device
     dtype = dtype or default_dtype("diffusion", device.torch_device, _stored_dtype(reader, prefix))
     if dtype.itemsize == 1:
         raise CheckpointError(f"weight dtype {dtype} is not supported for the {info.layout} UNet, which "
                               f"computes in its weights' dtype; accepted: default, fp32, fp16, bf16")
     unet = UNetModel(config, dtype=dtype, device="meta")
+    reader = quantise_model(unet, reader, lambda name: prefix + name, types, device.torch_device)
     name = _place(unet, reader, prefix, UNET_ROOTS, dtype, target, "diffusion", "diffusion model")
     sampling = VPrediction() if config.prediction == "v" else EpsPrediction()
     memory = module_memory(target, "diffusion", [name], [unet])
@@ -222,6 +224,7 @@ def _build_vae(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | N
     # The VAE works in raw latents (ComfyUI's LATENT); the diffusion model applies the scale factor.
     config = dataclasses.replace(info.vae, scale_factor=1.0, shift_factor=0.0)
     autoencoder = AutoencoderKL(config, device="meta", dtype=dtype)
+    reader = quantise_model(autoencoder, reader, lambda name: prefix + name, None, device.torch_device)
     name = _place(autoencoder, reader, prefix, VAE_ROOTS, dtype, target, "vae", "VAE")
     memory = module_memory(target, "vae", [name], [autoencoder])
     return adopt_lifetime(VAEModel(autoencoder=autoencoder, compute_device=device.name,
@@ -230,12 +233,14 @@ def _build_vae(reader: CheckpointReader, info: ModelInfo, dtype: torch.dtype | N
 
 
 def _build_clip(reader: CheckpointReader, config: TextEncoderConfig, dtype: torch.dtype | None,
-                target: _Target) -> tuple[CLIPTextModel, str | None]:
-    prefix = component_prefix(config)
+                target: _Target, types: WeightTypes | None = None) -> tuple[CLIPTextModel, str | None]:
+    prefix, segment = component_prefix(config), missing_key_segment(config)
     dtype = dtype or default_dtype("te", target.device.torch_device, _stored_dtype(reader, prefix))
     model = CLIPTextModel(config, dtype=dtype, device="meta")
+    reader = quantise_model(model, reader, lambda name: prefix + name.removeprefix(segment), types,
+                            target.device.torch_device)
     name = _place(model, reader, prefix, TEXT_ROOTS, dtype, target, "te", f"{config.kind} text encoder",
-                  UNUSED_CHECKPOINT_KEYS, missing_key_segment(config))
+                  UNUSED_CHECKPOINT_KEYS, segment)
     return model, name
 
 
@@ -248,17 +253,17 @@ def _detect(reader: CheckpointReader) -> ModelInfo:
 
 
 def _build_flux_component(reader: CheckpointReader, info: ModelInfo, component: str,
-                          dtype: torch.dtype | None,
-                          target: _Target) -> Any:
+                          dtype: torch.dtype | None, target: _Target, types: WeightTypes | None = None,
+                          ) -> Any:
     """The FLUX transformer, or the CLIP-L + T5 text encoder, of a FLUX file."""
     from engine.models.flux_loader import build_flux_diffusion, flux_text_encoder
 
     if component == "diffusion":
-        return build_flux_diffusion(reader, info, dtype, target)
+        return build_flux_diffusion(reader, info, dtype, target, types)
     if not info.text_encoders or info.t5 is None:
         return None  # reported as a missing component by the caller
     return flux_text_encoder((reader, info.text_encoders[0]), (reader, info.t5, info.t5_prefix), dtype,
-                             target)
+                             target, types)
 
 
 def _targets(components: Sequence[str], device: PerComponent, params: PerComponent,
@@ -293,6 +298,7 @@ def _targets(components: Sequence[str], device: PerComponent, params: PerCompone
 def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
                     device: PerComponent = "cpu", components: Sequence[str] = COMPONENTS,
                     params: PerComponent = "device", runtime: MemoryRuntime | None = None,
+                    types: Mapping[str, WeightTypes] | None = None,
                     ) -> tuple[DiffusionModel | None, TextEncoder | None, VAEModel | None]:
     """(diffusion model, text encoder, VAE) of a single-file checkpoint; None for a component not asked for
     or not in the file. `dtype` None (or "default") picks each component's default for the device.
@@ -300,14 +306,17 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
     `device` and `params` give every component (or each, by component name) its compute device and weight
     home (device, cpu, disk). With a `runtime`, the weights belong to its weight stores and the bundles run
     through it; without one, they are bound to the model directly (params must then be "device").
+    Weights a GGUF file stores quantised rest quantised; `types` (component -> WeightTypes: `--type`,
+    `--tensor-type-rules`) quantises the diffusion model's and the text encoder's float weights as they load.
     """
+    types = types or {}
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:
         raise ValueError(f"unknown components {unknown}; accepted: {', '.join(COMPONENTS)}")
     path, dtype = Path(path), parse_dtype(dtype)
     targets = _targets(components, device, params, runtime)
     file_key = _file_key(path)
-    keys = {c: (*file_key, c, dtype, *targets[c].cache_key()) for c in components}
+    keys = {c: (*file_key, c, dtype, types.get(c), *targets[c].cache_key()) for c in components}
     with _cache_lock:
         found = {c: _cache.get(key) for c, key in keys.items()}
     missing = [c for c in components if found[c] is None]
@@ -317,15 +326,17 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
             for component in missing:
                 if component not in info.components:
                     continue
+                chosen = types.get(component)
                 if info.flux is not None and component != "vae":
-                    value: Any = _build_flux_component(reader, info, component, dtype, targets[component])
+                    value: Any = _build_flux_component(reader, info, component, dtype, targets[component],
+                                                       chosen)
                 elif component == "diffusion":
-                    value = _build_diffusion(reader, info, dtype, targets[component])
+                    value = _build_diffusion(reader, info, dtype, targets[component], chosen)
                 elif component == "vae":
                     value = _build_vae(reader, info, dtype, targets[component])
                 else:
                     sources = [(reader, config) for config in info.text_encoders]
-                    value = _text_encoder(info.layout, sources, dtype, targets[component])
+                    value = _text_encoder(info.layout, sources, dtype, targets[component], chosen)
                 found[component] = value
                 with _cache_lock:
                     _cache[keys[component]] = value
@@ -360,9 +371,10 @@ def _what_it_holds(path: Path) -> str:
 
 def load_diffusion_model(path: str | os.PathLike[str], dtype: torch.dtype | str | None = None,
                          device: str = "cpu", params: str = "device", runtime: MemoryRuntime | None = None,
-                         ) -> DiffusionModel:
+                         types: WeightTypes | None = None) -> DiffusionModel:
     """The UNet of a diffusion-model file (or of a full checkpoint)."""
-    model = load_checkpoint(path, dtype, device, ("diffusion",), params, runtime)[0]
+    chosen = {"diffusion": types} if types is not None else None
+    model = load_checkpoint(path, dtype, device, ("diffusion",), params, runtime, chosen)[0]
     return _require(model, "diffusion", Path(path))
 
 
@@ -399,12 +411,13 @@ def _assign_roles(family: str, configs: list[TextEncoderConfig]) -> list[int]:
 
 
 def _text_encoder(family: str, sources: list[tuple[CheckpointReader, TextEncoderConfig]],
-                  dtype: torch.dtype | None, target: _Target) -> TextEncoder:
+                  dtype: torch.dtype | None, target: _Target, types: WeightTypes | None = None,
+                  ) -> TextEncoder:
     if family not in TEXT_FAMILIES:
         raise ValueError(f"no text conditioning for model family {family!r}; "
                          f"accepted: {', '.join(TEXT_FAMILIES)}")
     order = _assign_roles(family, [config for _, config in sources])
-    built = [_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, target)
+    built = [_build_clip(sources[i][0], _with_role(sources[i][1], role), dtype, target, types)
              for i, role in zip(order, FAMILY_ROLES[family], strict=True)]
     encoders = tuple(model for model, _ in built)
     memory = module_memory(target, "te", [name for _, name in built], encoders)
@@ -418,7 +431,7 @@ def _text_encoder(family: str, sources: list[tuple[CheckpointReader, TextEncoder
 
 def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | None = None,
                        dtype: torch.dtype | str | None = None, device: str = "cpu", params: str = "device",
-                       runtime: MemoryRuntime | None = None) -> TextEncoder:
+                       runtime: MemoryRuntime | None = None, types: WeightTypes | None = None) -> TextEncoder:
     """One text encoder (ComfyUI CLIP) from one file (SD1, SD2, refiner) or two (SDXL: CLIP-L + bigG).
 
     `family` None detects it from the encoders found (one CLIP-L: sd1; one OpenCLIP: sd2, or the refiner for
@@ -431,7 +444,7 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
                          f"accepted: {', '.join(TEXT_FAMILIES)}, flux")
     dtype, target = parse_dtype(dtype), _targets(["te"], device, params, runtime)["te"]
     file_paths = [Path(p) for p in paths]
-    key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, *target.cache_key())
+    key = (tuple(_file_key(p) for p in file_paths), "te", family, dtype, types, *target.cache_key())
 
     def build() -> TextEncoder:
         readers = [open_checkpoint(p) for p in file_paths]
@@ -449,9 +462,9 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
                                  f"({', '.join(str(reader.path) for reader, *_ in t5_sources)}); "
                                  f"T5-XXL is FLUX's: use type flux")
             if family == "flux" or t5_sources:
-                return _flux_text_encoder(sources, t5_sources, dtype, target)
+                return _flux_text_encoder(sources, t5_sources, dtype, target, types)
             chosen = family or _family_of([config for _, config in sources])
-            return _text_encoder(chosen, sources, dtype, target)
+            return _text_encoder(chosen, sources, dtype, target, types)
         finally:
             for reader in readers:
                 reader.close()
@@ -460,7 +473,8 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
 
 
 def _flux_text_encoder(sources: list[tuple[CheckpointReader, TextEncoderConfig]], t5_sources: list[tuple],
-                       dtype: torch.dtype | None, target: _Target) -> TextEncoder:
+                       dtype: torch.dtype | None, target: _Target, types: WeightTypes | None = None,
+                       ) -> TextEncoder:
     """FLUX's CLIP-L + T5-XXL from the given files: exactly one of each."""
     from engine.models.flux_loader import flux_text_encoder
 
@@ -469,7 +483,7 @@ def _flux_text_encoder(sources: list[tuple[CheckpointReader, TextEncoderConfig]]
         found = [c.kind for _, c in sources] + ["t5xxl"] * len(t5_sources)
         raise ValueError(f"a flux text encoder needs one CLIP-L and one T5-XXL file; the files hold "
                          f"{', '.join(found) or 'no text encoder'}")
-    return flux_text_encoder(clip_l[0], t5_sources[0], dtype, target)
+    return flux_text_encoder(clip_l[0], t5_sources[0], dtype, target, types)
 
 
 def _family_of(configs: list[TextEncoderConfig]) -> str:

@@ -34,6 +34,7 @@ from torch import nn
 
 from engine.jsonfile import JsonInputError, load_json
 from engine.models.formats import open_checkpoint
+from engine.quant.modules import weight_shape
 
 log = logging.getLogger(__name__)
 
@@ -481,13 +482,13 @@ def match_lora(lora: LoraFile, unet: nn.Module | None = None, encoders: Sequence
 
 
 def _fit_problem(module: nn.Module, target: LoraTarget, layer: LoraLayer) -> str | None:
-    weight = module._parameters.get(target.weight)
+    shape = weight_shape(module, target.weight)  # a quantised layer's logical shape, not its bytes'
     if layer.has_weight_delta:
-        rows = weight.shape[0] if target.rows is None else target.rows[1] - target.rows[0]
-        expected = rows * math.prod(weight.shape[1:])
+        rows = shape[0] if target.rows is None else target.rows[1] - target.rows[0]
+        expected = rows * math.prod(shape[1:])
         if layer.weight_delta_numel() != expected:
             return (f"shape mismatch: the update has {layer.weight_delta_numel()} elements, "
-                    f"{target.weight_name} {(rows, *weight.shape[1:])} has {expected}")
+                    f"{target.weight_name} {(rows, *shape[1:])} has {expected}")
     if "diff_b" in layer.tensors:
         bias = module._parameters.get(target.bias)
         size = None

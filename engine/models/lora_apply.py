@@ -5,8 +5,11 @@
   strength, rebuilds from them bit-exactly (the aim of ComfyUI's ModelPatcher backups).
 - "runtime": the weights stay as they are and each adapted layer gets a side branch added to its output,
   strength * scale * up(down(x)), through forward hooks: for weights that cannot be rewritten (quantised,
-  re-read from disk, sharded).
-- "auto": merge unless the weights are one of those.
+  re-read from disk, sharded). On a quantised layer (engine/quant/modules.py) this is stable-diffusion.cpp's
+  at_runtime mode: each call dequantises the weight for its product, and the LoRA's delta is added to it
+  (as its own product with the input), so the quantised bytes are never rewritten.
+- "auto": merge unless the weights are one of those; a quantised weight is never merged ("merge" refuses it,
+  naming its GGML type).
 
 A patched module is a structural copy of the base module that shares every untouched parameter; it carries its
 base and its LoRAs, so that stacking another LoRA (or removing them all) starts again from the base.
@@ -28,6 +31,7 @@ from engine.models.attention import attention
 from engine.models.bundles import DiffusionModel, ManagedEncoder, TextEncoder, build_conditioner
 from engine.models.clip import OpenClipAttention
 from engine.models.lora import LoraFile, LoraLayer, LoraMatch, LoraTarget, match_lora, read_lora
+from engine.quant.modules import quant_type, weight_shape
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,12 @@ def runtime_reason(module: nn.Module, targets: Sequence[LoraTarget], params_loca
     if params_location == "disk":
         return "its weights are re-read from disk"
     for target in targets:
-        weight = module.get_submodule(target.module)._parameters[target.weight]
+        layer = module.get_submodule(target.module)
+        weight = layer._parameters[target.weight]
+        qtype = quant_type(layer, target.weight)
+        if qtype is not None:
+            return (f"{target.weight_name} is quantised ({qtype}): quantised weights take LoRAs at runtime "
+                    f"only")
         if type(weight) not in (torch.Tensor, nn.Parameter):
             return f"{target.weight_name} is a {type(weight).__name__} (quantised or sharded)"
         if weight.dtype not in MERGEABLE_DTYPES:
@@ -178,9 +187,9 @@ class RuntimeBranch:
     def __init__(self, layer: LoraLayer, strength: float, module: nn.Module, target: LoraTarget):
         self.factor = strength * layer.scale
         self.conv = module if isinstance(module, nn.Conv2d) else None
-        weight = module._parameters[target.weight]
-        rows = weight.shape[0] if target.rows is None else target.rows[1] - target.rows[0]
-        shape = (rows, *weight.shape[1:])
+        full = weight_shape(module, target.weight)  # a quantised layer's logical shape
+        rows = full[0] if target.rows is None else target.rows[1] - target.rows[0]
+        shape = (rows, *full[1:])
         self.low_rank = layer.kind == "lora" and "mid" not in layer.tensors
         if self.low_rank:
             down, up = layer.tensors["down"].float(), layer.tensors["up"].float()

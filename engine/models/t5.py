@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.staged import Stage, StagedModel, State, run_stages
+from engine.quant.modules import float_weight
 
 FEED_FORWARD_PROJECTIONS = ("gated-gelu",)
 EMBEDDING_KEYS = ("shared.weight", "encoder.embed_tokens.weight")  # the embedding's names, preferred first
@@ -242,7 +243,7 @@ class T5GatedFeedForward(nn.Module):
         weight = getattr(self.wo, "weight", None)  # None once a row split has sharded W_o
         if self.dtype == torch.float16 and weight is not None:  # the product and W_o's output outgrow fp16
             hidden = F.gelu(gate.float(), approximate="tanh") * linear.float()
-            return F.linear(hidden, weight.float())  # (B, T, W) float32
+            return F.linear(hidden, float_weight(self.wo, torch.float32))  # (B, T, W) float32
         return self.wo(F.gelu(gate, approximate="tanh") * linear)  # (B, T, W)
 
 

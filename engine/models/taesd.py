@@ -142,6 +142,11 @@ def shrink_latent(latent: torch.Tensor, max_side: int) -> torch.Tensor:
 
 def taesd_preview(decoder: TAESDDecoder, latent: torch.Tensor, max_size: int = 256) -> np.ndarray:
     """First item of a (B, C, h, w) model-space latent -> (H, W, 3) uint8 preview of at most `max_size` px."""
+    return taesd_frame(decoder, latent, max_size).cpu().numpy()
+
+
+def taesd_frame(decoder: TAESDDecoder, latent: torch.Tensor, max_size: int = 256) -> torch.Tensor:
+    """`taesd_preview` on the decoder's device: an (H, W, 3) uint8 tensor there."""
     small = shrink_latent(latent[:1].float(), max(1, max_size // 8))  # decode at most max_size px
     image = decoder.decode(small)[0].movedim(0, -1)  # (H, W, 3)
-    return image.mul(255).round().to(torch.uint8).cpu().numpy()
+    return image.mul(255).round().to(torch.uint8)

@@ -14,13 +14,15 @@ ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its
 "ff_hidden" (a feed-forward's gated activations) and "upsample_size" (an upsampling output block's
 target size). Output-block patches (ComfyUI's output_block_patch, e.g. FreeU), when given, are in
 "output_block_patches": each `patch(h, skip) -> (h, skip)` runs before an output block concatenates its
-skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs.
+skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs. Control
+residuals (ControlNet, T2I-Adapter), when given, are in "control" (see UNetModel).
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +34,9 @@ from engine.models.staged import Stage, StagedModel, State, run_stages
 
 StageRun = Callable[[State], State]
 OutputBlockPatch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, skip)
+Control = Mapping[str, Sequence[torch.Tensor | None] | None]  # "input" / "middle" / "output" -> residuals
+CONTROL_KINDS = ("input", "middle", "output")
+log = logging.getLogger("sluice.unet")
 
 # ---------------------------------------------------------------------------------------------- presets
 
@@ -292,14 +297,19 @@ class TimestepEmbedSequential(nn.Sequential):
 # ---------------------------------------------------------------------------------------------- model
 
 
-class UNetModel(StagedModel):
-    """The SD1.x / SD2.x / SDXL UNet; forward(x, timesteps, context, y) predicts eps or v per config."""
+class UNetEncoder(StagedModel):
+    """The UNet's embedders, input blocks and middle block: the half that a ControlNet copies.
+
+    `skip_channels` lists the width of each input block's output (the skips the decoder half takes);
+    `channels` is the middle block's width.
+    """
 
     def __init__(self, config: UNetConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "meta", attention_upcast: bool = False):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.attention_upcast = attention_upcast
         levels = len(config.channel_mult)
         res_blocks = _per_level("num_res_blocks", config.num_res_blocks, levels)
         depths = _per_level("transformer_depth", config.transformer_depth, levels)
@@ -309,17 +319,6 @@ class UNetModel(StagedModel):
         factory = {"dtype": dtype, "device": device}
         mc = config.model_channels
         emb_dim = mc * 4
-
-        def transformer(channels: int, depth: int) -> SpatialTransformer:
-            if config.num_heads != -1:
-                heads, head_dim = config.num_heads, channels // config.num_heads
-            else:
-                heads, head_dim = channels // config.num_head_channels, config.num_head_channels
-            return SpatialTransformer(channels, heads, head_dim, depth, config.context_dim,
-                                      config.use_linear_in_transformer, attention_upcast, **factory)
-
-        def has_attention(level: int) -> bool:
-            return level in config.attention_levels and depths[level] > 0
 
         self.time_embed = nn.Sequential(nn.Linear(mc, emb_dim, **factory), nn.SiLU(),
                                         nn.Linear(emb_dim, emb_dim, **factory))
@@ -342,8 +341,8 @@ class UNetModel(StagedModel):
             for _ in range(res_blocks[level]):
                 layers: list[nn.Module] = [ResBlock(ch, emb_dim, mc * mult, **factory)]
                 ch = mc * mult
-                if has_attention(level):
-                    layers.append(transformer(ch, depths[level]))
+                if level in config.attention_levels and depths[level] > 0:
+                    layers.append(self.level_transformer(ch, depths[level], device))
                 self.input_blocks.append(TimestepEmbedSequential(*layers))
                 skip_channels.append(ch)
             if level != levels - 1:
@@ -352,57 +351,22 @@ class UNetModel(StagedModel):
 
         middle: list[nn.Module] = [ResBlock(ch, emb_dim, ch, **factory)]
         if config.transformer_depth_middle > 0:
-            middle.append(transformer(ch, config.transformer_depth_middle))
+            middle.append(self.level_transformer(ch, config.transformer_depth_middle, device))
         middle.append(ResBlock(ch, emb_dim, ch, **factory))
         self.middle_block = TimestepEmbedSequential(*middle)
+        self.skip_channels = tuple(skip_channels)
+        self.channels = ch
 
-        # Up: each level takes one more ResBlock than on the way down, each consuming one skip.
-        self.output_blocks = nn.ModuleList()
-        for level, mult in reversed(list(enumerate(config.channel_mult))):
-            for i in range(res_blocks[level] + 1):
-                layers = [ResBlock(ch + skip_channels.pop(), emb_dim, mc * mult, **factory)]
-                ch = mc * mult
-                if has_attention(level):
-                    layers.append(transformer(ch, depths[level]))
-                if level and i == res_blocks[level]:
-                    layers.append(Upsample(ch, **factory))
-                self.output_blocks.append(TimestepEmbedSequential(*layers))
-
-        self.out = nn.Sequential(GroupNorm32(32, ch, **factory), nn.SiLU(inplace=True),
-                                 nn.Conv2d(mc, config.out_channels, 3, padding=1, **factory))
-
-    def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                      y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
-                      ) -> State:
-        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm), and the
-        output-block patches."""
-        if (y is None) != (self.label_emb is None):
-            need = f"y of width {self.config.adm_in_channels}" if self.label_emb is not None else "no y"
-            raise ValueError(f"UNet of family {self.config.family!r} takes {need}; "
-                             f"got {'none' if y is None else tuple(y.shape)}")
-        state = {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
-                 "hs": []}
-        if output_block_patches:
-            state["output_block_patches"] = tuple(output_block_patches)
-            state["patch_signature"] = repr(state["output_block_patches"])
-        return state
-
-    def _build_stages(self) -> list[Stage]:
-        embedders = (self.time_embed,) if self.label_emb is None else (self.time_embed, self.label_emb)
-        stages = [Stage("embed", embedders, self._embed)]
-        for i, block in enumerate(self.input_blocks):
-            stages += _block_stages(f"input_blocks.{i}", block, appends_skip=True)
-        stages += _block_stages("middle_block", self.middle_block)
-        for i, block in enumerate(self.output_blocks):
-            stages += _block_stages(f"output_blocks.{i}", block, takes_skip=True)
-        stages.append(Stage("out", (self.out,), self._out))
-        return stages
-
-    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
-                y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
-                ) -> torch.Tensor:
-        state = run_stages(self.stages(), self.initial_state(x, timesteps, context, y, output_block_patches))
-        return state["h"].to(x.dtype)
+    def level_transformer(self, channels: int, depth: int, device: torch.device | str) -> SpatialTransformer:
+        """A SpatialTransformer of `depth` blocks for a level of width `channels`, with the config's heads."""
+        config = self.config
+        if config.num_heads != -1:
+            heads, head_dim = config.num_heads, channels // config.num_heads
+        else:
+            heads, head_dim = channels // config.num_head_channels, config.num_head_channels
+        return SpatialTransformer(channels, heads, head_dim, depth, config.context_dim,
+                                  config.use_linear_in_transformer, self.attention_upcast, dtype=self.dtype,
+                                  device=device)
 
     def _embed(self, state: State) -> State:
         emb = self.time_embed(timestep_embedding(state.pop("timesteps"), self.config.model_channels)
@@ -412,6 +376,88 @@ class UNetModel(StagedModel):
             emb = emb + self.label_emb(y.to(self.dtype))
         state["emb"] = emb
         return state
+
+    def _embed_stage(self) -> Stage:
+        embedders = (self.time_embed,) if self.label_emb is None else (self.time_embed, self.label_emb)
+        return Stage("embed", embedders, self._embed)
+
+    def _check_y(self, y: torch.Tensor | None) -> None:
+        if (y is None) != (self.label_emb is None):
+            need = f"y of width {self.config.adm_in_channels}" if self.label_emb is not None else "no y"
+            raise ValueError(f"{type(self).__name__} of family {self.config.family!r} takes {need}; "
+                             f"got {'none' if y is None else tuple(y.shape)}")
+
+
+class UNetModel(UNetEncoder):
+    """The SD1.x / SD2.x / SDXL UNet; forward(x, timesteps, context, y) predicts eps or v per config.
+
+    `control` (ControlNet residuals and T2I-Adapter features, engine/models/control.py) holds lists of
+    tensors or None under "input", "middle" and "output", applied as ComfyUI's UNet applies them: each
+    list is consumed from its end, "input" added to each input block's output (before it becomes a skip),
+    "middle" to the middle block's, "output" to each skip as an output block takes it. A residual whose
+    shape does not fit is skipped with a warning.
+    """
+
+    def __init__(self, config: UNetConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "meta", attention_upcast: bool = False):
+        super().__init__(config, dtype, device, attention_upcast)
+        levels = len(config.channel_mult)
+        res_blocks = _per_level("num_res_blocks", config.num_res_blocks, levels)
+        depths = _per_level("transformer_depth", config.transformer_depth, levels)
+        factory = {"dtype": dtype, "device": device}
+        mc, emb_dim, ch = config.model_channels, config.model_channels * 4, self.channels
+        skip_channels = list(self.skip_channels)
+
+        # Up: each level takes one more ResBlock than on the way down, each consuming one skip.
+        self.output_blocks = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(config.channel_mult))):
+            for i in range(res_blocks[level] + 1):
+                layers = [ResBlock(ch + skip_channels.pop(), emb_dim, mc * mult, **factory)]
+                ch = mc * mult
+                if level in config.attention_levels and depths[level] > 0:
+                    layers.append(self.level_transformer(ch, depths[level], device))
+                if level and i == res_blocks[level]:
+                    layers.append(Upsample(ch, **factory))
+                self.output_blocks.append(TimestepEmbedSequential(*layers))
+
+        self.out = nn.Sequential(GroupNorm32(32, ch, **factory), nn.SiLU(inplace=True),
+                                 nn.Conv2d(mc, config.out_channels, 3, padding=1, **factory))
+
+    def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                      y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                      control: Control | None = None) -> State:
+        """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm), the
+        output-block patches and the control residuals (lists under "input", "middle", "output", moved to
+        x's device; copied, as the stages consume them)."""
+        self._check_y(y)
+        state = {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
+                 "hs": []}
+        if output_block_patches:
+            state["output_block_patches"] = tuple(output_block_patches)
+            state["patch_signature"] = repr(state["output_block_patches"])
+        if control is not None:
+            state["control"] = {kind: [None if r is None else r.to(x.device) for r in control.get(kind) or ()]
+                                for kind in CONTROL_KINDS}
+        return state
+
+    def _build_stages(self) -> list[Stage]:
+        stages = [self._embed_stage()]
+        for i, block in enumerate(self.input_blocks):
+            stages += block_stages(f"input_blocks.{i}", block, appends_skip=True)
+        middle = block_stages("middle_block", self.middle_block)
+        middle[-1] = Stage(middle[-1].name, middle[-1].modules, _adding_control(middle[-1].run, "middle"))
+        stages += middle
+        for i, block in enumerate(self.output_blocks):
+            stages += block_stages(f"output_blocks.{i}", block, takes_skip=True)
+        stages.append(Stage("out", (self.out,), self._out))
+        return stages
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
+                y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
+                control: Control | None = None) -> torch.Tensor:
+        state = run_stages(self.stages(),
+                           self.initial_state(x, timesteps, context, y, output_block_patches, control))
+        return state["h"].to(x.dtype)
 
     def _out(self, state: State) -> State:
         state["h"] = self.out(state["h"])
@@ -431,7 +477,7 @@ def _per_level(name: str, value: int | tuple[int, ...], levels: int) -> tuple[in
 # order, so running the stages is bit-identical to calling the TimestepEmbedSequential blocks.
 
 
-def _block_stages(name: str, block: TimestepEmbedSequential, appends_skip: bool = False,
+def block_stages(name: str, block: TimestepEmbedSequential, appends_skip: bool = False,
                   takes_skip: bool = False) -> list[Stage]:
     """The stages of one block's layers; an input block's last stage pushes the skip, an output block's
     first stage concatenates the popped skip (and keeps the upsample size when the block upsamples)."""
@@ -462,7 +508,7 @@ def _layer_stages(name: str, layer: nn.Module) -> list[Stage]:
 def _taking_skip(run: StageRun, keeps_upsample_size: bool) -> StageRun:
     def run_after_concatenating_skip(state: State) -> State:
         hs = state["hs"]
-        h, skip = state["h"], hs.pop()
+        h, skip = state["h"], with_control(hs.pop(), state, "output")
         for patch in state.get("output_block_patches", ()):
             h, skip = patch(h, skip)
         state["h"] = torch.cat([h, skip], dim=1)  # (B, C + C_skip, H, W)
@@ -476,9 +522,39 @@ def _taking_skip(run: StageRun, keeps_upsample_size: bool) -> StageRun:
 def _appending_skip(run: StageRun) -> StageRun:
     def run_then_append_skip(state: State) -> State:
         state = run(state)
+        state["h"] = with_control(state["h"], state, "input")
         state["hs"].append(state["h"])
         return state
     return run_then_append_skip
+
+
+def _adding_control(run: StageRun, kind: str) -> StageRun:
+    def run_then_add_control(state: State) -> State:
+        state = run(state)
+        state["h"] = with_control(state["h"], state, kind)
+        return state
+    return run_then_add_control
+
+
+def with_control(h: torch.Tensor, state: State, kind: str) -> torch.Tensor:
+    """`h` plus the next residual of state["control"][kind] (taken from the list's end), as ComfyUI's
+    apply_control: a None entry or an empty list adds nothing; a residual that does not broadcast to h's
+    shape is dropped with a warning."""
+    control = state.get("control")
+    if not control or not control[kind]:
+        return h
+    residual = control[kind].pop()
+    if residual is None:
+        return h
+    try:
+        fits = torch.broadcast_shapes(h.shape, residual.shape) == h.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        log.warning("control residual of shape %s does not fit the UNet's %s activation %s; not applied",
+                    tuple(residual.shape), kind, tuple(h.shape))
+        return h
+    return h + residual.to(h.dtype)
 
 
 def _plain_runner(layer: nn.Module) -> StageRun:

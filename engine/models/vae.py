@@ -189,7 +189,8 @@ class AutoencoderKL(StagedModel):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The compute dtype: the first floating-point parameter's (a quantised layer's weight is bytes)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
 
     def encoder_stages(self) -> list[Stage]:
         """conv_in, each `down.N` level, the middle block, norm_out/conv_out/quant_conv to the moments."""

@@ -38,17 +38,22 @@ LATENT_RGB_BIAS: dict[str, list[float]] = {"sd1": [0.0, 0.0, 0.0], "sdxl": [0.10
 
 
 def latent_to_rgb(latent: torch.Tensor, family: str = "sd1") -> np.ndarray:
-    """(C, H, W) or (B, C, H, W) latent (first item used) -> (H, W, 3) uint8 preview."""
+    """(C, H, W) or (B, C, H, W) latent (first item used) -> (H, W, 3) uint8 preview, computed on the CPU."""
+    return latent_to_rgb_frame(latent.detach().cpu(), family).numpy()
+
+
+def latent_to_rgb_frame(latent: torch.Tensor, family: str = "sd1") -> torch.Tensor:
+    """`latent_to_rgb` on the latent's own device: an (H, W, 3) uint8 tensor there."""
     key = family.lower()
     if key not in LATENT_RGB_FACTORS:
         raise ValueError(f"no latent preview factors for model family '{family}'; accepted: "
                          f"{', '.join(LATENT_RGB_FACTORS)}")
     if latent.ndim == 4:
         latent = latent[0]
-    factors = torch.tensor(LATENT_RGB_FACTORS[key])  # (C, 3)
+    factors = torch.tensor(LATENT_RGB_FACTORS[key], device=latent.device)  # (C, 3)
     if latent.ndim != 3 or latent.shape[0] != factors.shape[0]:
         raise ValueError(f"preview needs a ({factors.shape[0]}, H, W) latent for '{family}'; got shape "
                          f"{tuple(latent.shape)}")
-    rgb = torch.einsum("chw,cr->hwr", latent.detach().float().cpu(), factors)  # (H, W, 3)
-    rgb = rgb + torch.tensor(LATENT_RGB_BIAS[key])
-    return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).to(torch.uint8).numpy()
+    rgb = torch.einsum("chw,cr->hwr", latent.detach().float(), factors)  # (H, W, 3)
+    rgb = rgb + torch.tensor(LATENT_RGB_BIAS[key], device=latent.device)
+    return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).to(torch.uint8)

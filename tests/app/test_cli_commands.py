@@ -111,6 +111,7 @@ def make_workflow(tmp_path: Path, sink: str = "CliWriteText", name: str = "wf.js
 
 
 def cli(tmp_path: Path, plugins: Path, *args: str) -> int:
+    (tmp_path / "models").mkdir(exist_ok=True)
     return main(["--plugins", str(plugins), "--models", str(tmp_path / "models"),
                  "--output", str(tmp_path / "out"), *args])
 
@@ -290,3 +291,20 @@ def test_inspect_reports_the_embedded_checkpoint_and_rejects_a_non_model_file(tm
     junk.write_bytes(b"not a model at all")
     assert main(["inspect", str(junk)]) == 1
     assert f"cannot inspect {junk}" in capsys.readouterr().err
+
+
+def test_a_models_flag_naming_a_file_is_refused_and_a_missing_folder_warned(tmp_path, capsys):
+    path = make_workflow(tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    assert main(["--models", str(tmp_path / "a_file"), "validate", str(path)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    main(["--models", str(tmp_path / "nowhere"), "validate", str(path)])
+    err = capsys.readouterr().err
+    assert f"models folder {tmp_path / 'nowhere'} does not exist" in err
+
+
+def test_a_settings_file_that_is_a_folder_is_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "settings.json").mkdir()
+    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "settings.json"))
+    assert main(["validate", str(make_workflow(tmp_path))]) != 0
+    assert "is not a regular file" in capsys.readouterr().err

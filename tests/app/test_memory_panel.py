@@ -6,9 +6,10 @@ import pytest
 import torch
 from memory_trace_source import DEPTHS, ToyBlocks, record_runtime_trace
 
-from app.memory_model import MemoryModel, TraceError, load_trace
-from app.memory_panel import MemoryPanel, install_memory_views
+from app.memory_model import RUNS_KEPT, MemoryModel, TraceError, load_trace
+from app.memory_panel import DevicePlot, MemoryPanel, install_memory_views
 from app.trace_replay import TraceReplay
+from app.workflow_placement import ModuleSlot, WorkflowPlacement
 from engine.memory.ledger import DeviceLedger
 from engine.memory.segments import SegmentRunner
 from engine.memory.weight_store import WeightStore
@@ -108,7 +109,7 @@ def test_polling_an_idle_runtime_redraws_nothing(qtbot):
         assert not panel.refresh()
         versions.add(model.version)
     assert len(versions) == 1
-    assert set(panel.device_plots["cuda0"].areas) == {"te#2", "workspace"}
+    assert set(panel.device_plots["cuda0"].areas) == {"te", "workspace"}  # a reload is still te
 
 
 def test_a_queued_segment_copy_marks_that_segment_prefetching_until_it_computes():
@@ -178,10 +179,10 @@ def test_panel_renders_a_recorded_trace(qtbot, runtime_trace, screenshot):
     assert not panel.refresh()  # nothing changed since: no redraw
     plot = panel.device_plots["cpu"]
     assert {"te", "diffusion", "workspace"} <= set(plot.areas)
-    assert plot.getAxis("left").labelText == "memory (MiB)"
+    assert plot.getAxis("left").labelText == "MiB"
     states = [s["state"] for s in panel.segment_bar.plan["segments"]]
     assert "computing" in states and len(states) > 1
-    assert "copied in total" in panel.throughput_label.text()
+    assert "in all" in panel.throughput_label.text() and "copying" in panel.segment_bar.header()
     qtbot.wait(50)  # let the new device plot be laid out
     image = screenshot(panel, "memory_panel.png")
     assert image.stat().st_size > 10_000
@@ -265,3 +266,72 @@ def test_memory_trace_saved_from_the_window_replays_in_a_panel_of_its_own(qtbot,
     assert window.replay_memory_trace(str(bad)) is None
     with qtbot.waitSignal(replay.destroyed):  # closing deletes the replay window and its plots
         replay.close()
+
+
+def ledger_event(model, when, module, delta, tracked, device="cpu"):
+    model.handle(Event("ledger", when, {"device": device, "module": module, "allocation": "weights",
+                                        "key": f"{module}/w", "delta": delta, "tracked": tracked}))
+
+
+def test_each_job_starts_a_run_on_its_own_time_axis_and_the_runs_before_stay_to_compare():
+    model = MemoryModel()
+    runs = RUNS_KEPT + 2
+    for run in range(runs):
+        start = 10.0 * run
+        model.handle(Event("job_started", start, {"job_id": str(run), "node_count": 3}))
+        ledger_event(model, start + 1, "diffusion", 100 * (run + 1), 100 * (run + 1))
+        ledger_event(model, start + 4, "diffusion", -100 * (run + 1), 0)
+    snapshot = model.snapshot()
+    assert snapshot["run"] == f"run {runs}" and snapshot["elapsed"] == pytest.approx(4.0)
+    series = snapshot["devices"]["cpu"]["series"]
+    assert series["time"] == [0.0, 1.0, 4.0]  # starts with the state the run found
+    assert series["used"] == [0, 100 * runs, 0]
+    previous = snapshot["devices"]["cpu"]["previous"]
+    assert [p["run"] for p in previous] == [f"run {r}" for r in range(runs - RUNS_KEPT + 1, runs)]
+    assert all(p["duration"] == pytest.approx(10.0) and p["time"][0] == 0.0 for p in previous)
+    assert [max(p["used"]) for p in previous] == [100 * r for r in range(runs - RUNS_KEPT + 1, runs)]
+
+
+def test_a_reloaded_model_counts_as_its_kind_not_as_a_numbered_module():
+    model = MemoryModel()
+    ledger_event(model, 1.0, "te", 100, 100)
+    ledger_event(model, 2.0, "te#2", 50, 150)  # the same text encoder loaded again before the first went
+    device = model.snapshot()["devices"]["cpu"]
+    assert device["weights"] == {"te": 150}
+    assert set(device["series"]["weights"]) == {"te"} and device["series"]["weights"]["te"][-1] == 150
+
+
+def test_the_device_plot_scale_fits_the_budget_not_the_free_ram(qtbot):
+    mib = 1024**2
+    model = MemoryModel()
+    ledger = DeviceLedger("cpu", 20 * mib, bus=EventBus())
+    ledger.allocate("diffusion", "weights", "diffusion/w", 12 * mib)
+    snapshot = ledger.snapshot()
+    snapshot["free"] = 20 * 1024**3  # what a CPU reports: the whole free RAM
+    model.observe_ledger(snapshot)
+    plot = DevicePlot("cpu")
+    qtbot.addWidget(plot)
+    plot.show_device(model.snapshot()["devices"]["cpu"], 1.0)
+    assert plot.scale_bytes == 20 * mib
+    top = plot.getViewBox().viewRange()[1][1]  # in MiB, the axis's unit
+    assert plot.getAxis("left").labelText == "MiB" and 20 < top < 25
+    title = plot.getPlotItem().titleLabel.text
+    assert "VRAM budget 20 MiB" in title and "used 12 MiB" in title
+
+
+def test_the_planned_placement_shows_before_any_event(qtbot):
+    slots = (ModuleSlot("1", "Load Checkpoint", "diffusion", ("cpu",), None, "cpu", "does not fit",
+                        26 * 1024**2, 1024**2),
+             ModuleSlot("2", "Load CLIP", "te", ("cpu",), "device", weight_bytes=12 * 1024**2))
+    placement = WorkflowPlacement(slots, (), {"cpu": 20 * 1024**2}, None, None, None,
+                                  {("1", "diffusion"): 6 * 1024**2})
+    panel = MemoryPanel(MemoryModel())
+    qtbot.addWidget(panel)
+    panel.set_planned(placement)
+    panel.show()
+    assert panel.refresh()
+    text = panel.plan_label.text()
+    assert "≥6 MiB copied per step" in text and "streams from RAM" in text and "stays resident" in text
+    plot = panel.device_plots["cpu"]
+    assert list(plot.planned.getData()[1]) == [12.0, 12.0]  # the te's resident MiB, as planned
+    assert list(plot.budget.getData()[1]) == [20.0, 20.0]

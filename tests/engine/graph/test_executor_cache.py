@@ -55,6 +55,16 @@ def test_unchanged_graph_reruns_nothing(nodes, executor, recorder):
     assert [e["node_id"] for e in recorder.of_kind("node_cached")][-2:] == ["4", "7"]
 
 
+def test_job_started_names_the_nodes_whose_cached_result_matches(nodes, executor, recorder):
+    wf = number_chain()
+    executor.run(wf)
+    wf.nodes["3"].widgets["factor"] = 5
+    executor.run(wf)
+    first, second = recorder.of_kind("job_started")
+    assert first["cached"] == []
+    assert second["cached"] == ["1", "2", "5", "6", "7"]  # ComfyUI's execution_cached lists these
+
+
 def test_changed_widget_reruns_only_that_node_and_its_descendants(nodes, executor):
     wf = number_chain()
     executor.run(wf)

@@ -132,6 +132,7 @@ def test_sluice_plan_prints_every_component_without_loading(models_workflow, cap
     out = capsys.readouterr().out
     assert "1/diffusion" in out and "1/vae" in out
     assert [line.split()[2] for line in out.splitlines() if line.startswith("1/te")] == ["disk"]
+    assert out.splitlines()[-1] == "job: no image size in the workflow's widgets"
     from engine.memory.runtime import get_runtime
 
     assert get_runtime().modules() == []  # nothing was loaded
@@ -147,3 +148,19 @@ def test_sluice_devices_prints_the_device_table(capsys):
     assert main(["devices"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == format_devices().splitlines()[0] and "cpu" in out
+
+
+@pytest.mark.parametrize("content", [None, b"not a checkpoint at all", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"],
+                         ids=["missing", "garbage", "truncated-safetensors"])
+def test_sluice_plan_fails_naming_a_missing_or_bad_model_file(models_workflow, capsys, content):
+    root, path = models_workflow
+    bad = root / "models" / "checkpoints" / "bad.safetensors"
+    if content is not None:
+        bad.write_bytes(content)
+    workflow = Workflow.load(path)
+    workflow.add_node("CheckpointLoaderSimple", {"ckpt_name": "bad.safetensors"})
+    workflow.save(path)
+    assert main(["plan", str(path), "--models", str(root / "models")]) == 1
+    captured = capsys.readouterr()
+    assert "1/diffusion" in captured.out  # the readable loader is still planned
+    assert "bad.safetensors" in captured.err and "CheckpointLoaderSimple" in captured.err

@@ -7,7 +7,7 @@ from engine.memory import copy_flags
 from engine.memory.copy_flags import CopyFlags
 
 needs_flags = pytest.mark.skipif(
-    not (torch.cuda.is_available() and CopyFlags.available(torch.device("cuda"))),
+    not (torch.cuda.is_available() and CopyFlags.available(torch.device("cuda"), wait=True)),
     reason="polling needs CUDA and a working Triton",
 )
 DELAY = 20_000_000  # torch.cuda._sleep cycles on the copy stream before its copy: about 10 ms

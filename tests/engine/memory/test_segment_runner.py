@@ -319,7 +319,7 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
         assert torch.equal(runner.run(model.stages(), {"x": x})["x"], reference(x))
     assert runner._graph is not None
     assert runner._graph.key[0] == (("x", (((8, 256), "torch.float32", "cuda:0"),)),)
-    polls = budget is not None and CopyFlags.available(torch.device("cuda"))
+    polls = budget is not None and CopyFlags.available(torch.device("cuda"), wait=True)
     assert (runner._graph.flags is not None) == polls  # compute polls flags where it can, else events
     streamed = [s for s in runner.plan.segments if s.streamed]
     replayed = [e for e in events.of_kind("transfer") if e["stream"] == "graph"]
@@ -333,7 +333,7 @@ def test_cuda_graph_replays_are_bit_identical_and_follow_changes(budget):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("polling", [False, True])
 def test_cuda_graph_replays_wait_for_slow_copies(polling, monkeypatch):
-    if polling and not CopyFlags.available(torch.device("cuda")):
+    if polling and not CopyFlags.available(torch.device("cuda"), wait=True):
         pytest.skip("polling needs a working Triton")
     monkeypatch.setattr(copy_flags, "ENABLED", polling)
     copy_runs = StreamRing._copy_runs

@@ -229,15 +229,14 @@ def test_missing_tensor_is_a_key_error_naming_file_key_and_close_matches(tmp_pat
     assert str(caught.value) == f"no tensor 'linear.weigth' in {path}; close matches: linear.weight"
 
 
-def test_quantised_gguf_tensor_is_listed_but_loading_it_says_not_supported_yet(tmp_path):
+def test_quantised_gguf_tensor_is_listed_and_read_as_bytes_or_dequantised(tmp_path):
     path = tmp_path / "q.gguf"
     values = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
     writer = gguf.GGUFWriter(str(path), arch="sd")
-    writer.add_tensor(
-        "blocks.0.weight",
-        gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
-        raw_dtype=gguf.GGMLQuantizationType.Q8_0,
-    )
+    writer.add_tensor("blocks.0.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    odd = gguf.GGMLQuantizationType.IQ2_XXS  # a type the engine does not dequantise
+    writer.add_tensor("odd.weight", np.zeros((1, 66), dtype=np.uint8), raw_dtype=odd)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -246,11 +245,15 @@ def test_quantised_gguf_tensor_is_listed_but_loading_it_says_not_supported_yet(t
         assert reader.shape("blocks.0.weight") == (4, 64)
         assert reader.type_name("blocks.0.weight") == "Q8_0"
         assert reader.nbytes("blocks.0.weight") == 4 * 2 * 34  # two 32-weight blocks of 34 bytes per row
-        with pytest.raises(
-            UnsupportedTensorTypeError,
-            match="quantised GGUF type Q8_0 for tensor blocks.0.weight is not supported yet",
-        ):
-            reader.get("blocks.0.weight")
+        assert torch.equal(reader.get_raw("blocks.0.weight"), torch.from_numpy(blocks))
+        expected = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0)
+        assert torch.equal(reader.get("blocks.0.weight"), torch.from_numpy(expected))
+        with pytest.raises(UnsupportedTensorTypeError, match="blocks.0.weight is quantised .* no torch"):
+            reader.dtype("blocks.0.weight")
+        assert reader.shape("odd.weight") == (1, 256)
+        unsupported = r"'odd.weight' of .*q\.gguf has GGML type IQ2_XXS, which is not supported; accepted: "
+        with pytest.raises(UnsupportedTensorTypeError, match=unsupported):
+            reader.get("odd.weight")
 
 
 # ---------------------------------------------------------------- hostile pickles

@@ -1,0 +1,79 @@
+"""The memory guard of a job, checked before anything runs: the RAM its largest image needs.
+
+A workflow's sizes are widgets (EmptyLatentImage's width, height and batch_size, ImageScale's size, a
+scale_by factor), which the node specs allow up to 16384x16384 and batches of 4096. Decoding such an image
+in one piece needs far more RAM than any machine has, and the run would grind for minutes before the
+system kills it. So validation estimates the job's peak from its widgets and refuses a job whose estimate is
+over the RAM available now, with the estimate, the limit and what to change. A workflow whose
+settings hold {"force_large_jobs": true} (`sluice run --force`) runs anyway.
+
+The estimate is an upper bound of the largest image: the largest width x height x batch of any node,
+times the square of the largest scale_by factor. A VAEDecode that runs on the CPU keeps about
+DECODE_BYTES_PER_PIXEL per output pixel alive at its last, full-resolution block (128 float32 channels,
+three tensors); on a GPU the decode tiles itself when the device is short, and RAM only holds the images
+(IMAGE_BYTES_PER_PIXEL: float32 RGB, its uint8 copy and the PNG buffers).
+"""
+
+from __future__ import annotations
+
+import psutil
+import torch
+
+from engine.graph.document import Workflow
+from engine.graph.errors import ValidationError
+
+GIB = 1024**3
+DECODE_BYTES_PER_PIXEL = 3 * 128 * 4
+IMAGE_BYTES_PER_PIXEL = 16
+FORCE_KEY = "force_large_jobs"
+
+
+def largest_image(workflow: Workflow) -> tuple[int, int, int, float]:
+    """(width, height, batch, scale) bounding the largest image `workflow` makes, from its widgets."""
+    width = height = batch = 0
+    scale = 1.0
+    for node in workflow.nodes.values():
+        if node.mode != "normal":
+            continue
+        w, h, b = node.widgets.get("width"), node.widgets.get("height"), _batch(node.widgets)
+        if isinstance(w, int) and isinstance(h, int) and w * h * b > width * height * batch:
+            width, height, batch = w, h, b
+        factor = node.widgets.get("scale_by")
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool):
+            scale = max(scale, float(factor))
+    return width, height, batch, scale
+
+
+def _batch(widgets: dict) -> int:
+    value = widgets.get("batch_size", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def estimated_peak_bytes(workflow: Workflow, decode_on_cpu: bool | None = None) -> int:
+    """The RAM the job's largest image needs at its peak (see the module's docstring)."""
+    width, height, batch, scale = largest_image(workflow)
+    pixels = width * height * batch * scale * scale
+    if decode_on_cpu is None:
+        decode_on_cpu = not torch.cuda.is_available()
+    decodes_whole = any(n.type == "VAEDecode" and n.mode == "normal" for n in workflow.nodes.values())
+    per_pixel = DECODE_BYTES_PER_PIXEL if decode_on_cpu and decodes_whole else IMAGE_BYTES_PER_PIXEL
+    return int(pixels * per_pixel)
+
+
+def check_job_memory(workflow: Workflow, available: int | None = None) -> list[ValidationError]:
+    """[] when the job's estimate fits the RAM available (psutil's figure unless given) or the workflow
+    forces it; else one error with the estimate, the limit and what to change."""
+    if workflow.settings.get(FORCE_KEY) is True:
+        return []
+    needed = estimated_peak_bytes(workflow)
+    available = psutil.virtual_memory().available if available is None else available
+    if needed <= available:
+        return []
+    width, height, batch, scale = largest_image(workflow)
+    size = f"{width}x{height}" + (f" x {batch}" if batch > 1 else "")
+    size += f", scaled by {scale:g}" if scale > 1 else ""
+    return [ValidationError(
+        "too_large",
+        f"this job's largest image ({size}) needs about {needed / GIB:.1f} GiB of RAM, over the "
+        f"{available / GIB:.1f} GiB available now; lower the size or the batch, decode in tiles "
+        f"(VAEDecodeTiled), or run it anyway with `sluice run --force` (settings.{FORCE_KEY})")]
