@@ -4,8 +4,9 @@ CheckpointSave and VAESave.
 
 A patch node returns a clone of its MODEL: the incoming bundle is never changed. The model's patches live in
 its options (engine/models/bundles.py) and reach the sampler through its denoiser; the guiders are GUIDER
-link values for SamplerCustomAdvanced. The save nodes write ComfyUI's file names (prefix_00001_.safetensors)
-under the output folder, with the workflow and its API prompt as metadata.
+link values for SamplerCustomAdvanced, which resolve each of their prompts for the latent as CFGGuider's
+Guider resolves its positive one (`resolved_prompts`). The save nodes write ComfyUI's file names
+(prefix_00001_.safetensors) under the output folder, with the workflow and its API prompt as metadata.
 """
 
 from __future__ import annotations
@@ -92,6 +93,14 @@ class PerpNeg(NodeType):
         return (clone,)
 
 
+def resolved_prompts(model: DiffusionModel, prompts: tuple[list, ...], args: tuple, kwargs: dict,
+                     ) -> tuple[list[list], Callable[[], None] | None]:
+    """Each CONDITIONING as the sampler's entries, resolved by Guider.denoiser(*args, **kwargs) as the
+    positive prompt of a guider without negative; and the interrupt check it was given."""
+    guided = [Guider(model, prompt, None, 1.0).denoiser(*args, **kwargs) for prompt in prompts]
+    return [denoiser.sides[0] for denoiser in guided], guided[0].check_interrupt
+
+
 @dataclass(frozen=True)
 class PerpNegGuidance(Guider):
     """The GUIDER of PerpNegGuider: Guider's model, prompts and cfg, the empty prompt and neg_scale."""
@@ -99,13 +108,12 @@ class PerpNegGuidance(Guider):
     empty: list
     neg_scale: float
 
-    def denoiser(self, width: int, height: int,
-                 check_interrupt: Callable[[], None] | None = None) -> PerpNegDenoiser:
-        def entries(conditioning: list) -> list:
-            return self.model.guidance_conditioning(conditioning, width, height)
-
-        return PerpNegDenoiser(self.model.denoiser(), entries(self.positive), entries(self.negative),
-                               entries(self.empty), self.cfg, self.neg_scale, check_interrupt=check_interrupt)
+    def denoiser(self, *args: Any, **kwargs: Any) -> PerpNegDenoiser:
+        """Guider.denoiser's arguments -> the Perp-Neg denoiser."""
+        (positive, negative, empty), check_interrupt = resolved_prompts(
+            self.model, (self.positive, self.negative, self.empty), args, kwargs)
+        return PerpNegDenoiser(self.model.denoiser(), positive, negative, empty, self.cfg, self.neg_scale,
+                               check_interrupt=check_interrupt)
 
 
 class PerpNegGuider(NodeType):
@@ -131,14 +139,12 @@ class DualCFGGuidance(Guider):
     cfg_middle: float  # cfg_cond2_negative
     nested: bool
 
-    def denoiser(self, width: int, height: int,
-                 check_interrupt: Callable[[], None] | None = None) -> DualCFGDenoiser:
-        def entries(conditioning: list) -> list:
-            return self.model.guidance_conditioning(conditioning, width, height)
-
-        return DualCFGDenoiser(self.model.denoiser(), entries(self.positive), entries(self.middle),
-                               entries(self.negative), self.cfg, self.cfg_middle, self.nested,
-                               check_interrupt=check_interrupt)
+    def denoiser(self, *args: Any, **kwargs: Any) -> DualCFGDenoiser:
+        """Guider.denoiser's arguments -> the DualCFG denoiser."""
+        (cond1, cond2, negative), check_interrupt = resolved_prompts(
+            self.model, (self.positive, self.middle, self.negative), args, kwargs)
+        return DualCFGDenoiser(self.model.denoiser(), cond1, cond2, negative, self.cfg, self.cfg_middle,
+                               self.nested, check_interrupt=check_interrupt)
 
 
 class DualCFGGuider(NodeType):

@@ -84,13 +84,13 @@ class DiscreteSchedule:
         return self.sigma_to_t(sigma, quantize=self.quantize)
 
     def percent_to_sigma(self, percent: float) -> float:
-        """Sigma a fraction of the way through sampling (ComfyUI's: huge at 0, 0.0 at 1, else the sigma at
-        timestep (1 - percent) * 999, whatever the table's length)."""
+        """Sigma at a fraction of the way through sampling, as ComfyUI's ModelSamplingDiscrete: the table's
+        sigma at timestep (1 - percent) * 999 (the last timestep); 999999999.9 at 0, 0.0 at 1."""
         if percent <= 0.0:
             return 999999999.9
         if percent >= 1.0:
             return 0.0
-        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * 999.0)))
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * (len(self.sigmas) - 1))))
 
 
 def _expand(sigma: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -168,6 +168,13 @@ class LCMPrediction(EpsPrediction):
 
     def timestep(self, sigma: torch.Tensor) -> torch.Tensor:
         return self.sigma_to_t(sigma, quantize=True)
+
+    def percent_to_sigma(self, percent: float) -> float:
+        """As the full schedule's: the sigma at timestep (1 - percent) * 999 of the undistilled timesteps."""
+        if percent <= 0.0 or percent >= 1.0:
+            return super().percent_to_sigma(percent)
+        last = self.skip_steps * self.original_timesteps - 1  # 999
+        return float(self.t_to_sigma(torch.tensor((1.0 - percent) * last)))
 
     def calculate_denoised(self, sigma: torch.Tensor, model_output: torch.Tensor,
                            x: torch.Tensor) -> torch.Tensor:

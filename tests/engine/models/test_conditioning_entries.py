@@ -53,8 +53,7 @@ def test_sdxl_entries_each_carry_their_own_adm_area_mask_strength_and_sigma_rang
     width = model.unet.config.context_dim
     pooled_width = model.unet.config.adm_in_channels - 6 * 256
     context, pooled = torch.randn(1, 77, width), torch.randn(1, pooled_width)
-    mask = torch.zeros(16, 16)
-    mask[2:6, 4:8] = 1.0  # pixels; 2x2 blocks average onto the 8 x 8 latent
+    mask = torch.rand(16, 16, generator=torch.Generator().manual_seed(3))  # bilinear halving: 2x2 block means
     conditioning = [
         [context, {"pooled_output": pooled, "area": (4, 4, 2, 2), "strength": 0.5}],
         [context * 2, {"pooled_output": pooled * 2, "width": 512, "height": 256, "target_width": 256,

@@ -200,3 +200,20 @@ def test_guidance_fills_entries_without_one_and_y_must_be_on_every_entry_or_none
     assert uncond[0].guidance == 4.0
     with pytest.raises(ValueError, match="y"):
         prepare_sides([[Conditioning(prompt(0), y=torch.ones(1, 3))], [Conditioning(prompt(1))]])
+
+
+def test_inpainting_channels_are_cropped_to_the_area_and_follow_the_scaled_input():
+    seen = []
+
+    def unet(x_in, timesteps, context, y=None):
+        seen.append(x_in.clone())
+        return x_in[:, :4]
+
+    model = Denoiser(unet, EpsPrediction())
+    x, concat = torch.randn(1, 4, 8, 8), torch.randn(1, 5, 8, 8)
+    entries = [Conditioning(prompt(0), concat=concat),
+               Conditioning(prompt(1), concat=concat, area=(4, 4, 2, 3))]
+    calc_cond_batch(model, [entries], x, torch.tensor([2.0]))
+    assert [tuple(s.shape) for s in seen] == [(1, 9, 8, 8), (1, 9, 4, 4)]
+    torch.testing.assert_close(seen[0][:, :4], x / 5 ** 0.5)  # the latent scaled as the model sees it
+    torch.testing.assert_close(seen[1][:, 4:], concat[:, :, 2:6, 3:7])
