@@ -1,8 +1,12 @@
 """Queueing and watching runs: validate and mark invalid nodes, hand workflow copies to the engine worker,
 and show what its events say (node progress and previews, overall progress, errors, output images).
 
-Seeds: after a finished run, control-after-generate is applied to the document through the undo stack
-(one "Advance seeds" step), so undo brings back the seed of a run one liked, and the title shows '*'.
+Seeds: as in ComfyUI, control-after-generate is applied to the document right after a job is queued (the job
+keeps the seeds it was queued with), through the undo stack (one "Advance seeds" step), so the next Queue runs
+new seeds, undo brings back the seed of a run one liked, and the title shows '*'.
+
+A job runs the document with the settings file's default memory settings under its own (engine/settings.py).
+A failed node is reported by `node_failed(title, message, traceback)` for the window's dialog.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from app.panels import GalleryList, QueuePanel
 from app.worker import EngineWorker
 from engine.graph.executor import JobResult, advance_seeds
 from engine.graph.validate import validate
+from engine.settings import with_memory_defaults
 from engine.telemetry import Event
 from nodes.registry import NodeRegistry
 
@@ -31,6 +36,7 @@ class RunController(QObject):
     """Lives in the GUI thread; every worker signal arrives at one of its @Slot methods."""
 
     job_done = Signal(str, str)  # job id, status: a GUI-thread relay of the worker's job_finished
+    node_failed = Signal(str, str, str)  # node title, "ExceptionType: message", traceback
 
     def __init__(self, scene: WorkflowScene, registry: NodeRegistry, settings: Any, queue_panel: QueuePanel,
                  gallery: GalleryList, inspector: Inspector, progress_bar: QProgressBar,
@@ -38,6 +44,7 @@ class RunController(QObject):
         super().__init__(parent)
         self.scene = scene
         self.registry = registry
+        self.settings = settings
         self.queue_panel = queue_panel
         self.gallery = gallery
         self.inspector = inspector
@@ -72,11 +79,20 @@ class RunController(QObject):
             return None
         self._job_number += 1
         label = f"Job {self._job_number}"
-        job_id = self.worker.submit(self.scene.workflow, label)
+        job = self.scene.workflow.copy()
+        memory = with_memory_defaults(job.settings.get("memory"), self.settings)
+        if memory:
+            job.settings["memory"] = memory
+        job_id = self.worker.submit(job, label)
         self.labels[job_id] = label
         self.queue_panel.set_job(job_id, label, "pending")
         self.show_message(f"{label} queued")
+        self._advance_seeds()
         return job_id
+
+    def busy(self) -> bool:
+        """Whether a job runs or waits in the queue."""
+        return self.worker.running_job_id is not None or bool(self.worker.queue.pending())
 
     @Slot(str)
     def cancel(self, job_id: str) -> None:
@@ -112,8 +128,6 @@ class RunController(QObject):
                 if error.node_id in self.scene.workflow.nodes:
                     self.node_errors.setdefault(error.node_id, []).append(error.message)
             self._show_errors()
-        if status == "finished":
-            self._advance_seeds()
         self.job_done.emit(job_id, status)
 
     @Slot(object)
@@ -181,6 +195,7 @@ class RunController(QObject):
         self.node_errors = {node_id: [message]}
         self._show_errors()
         self.show_message(f"{self._title(node_id)} failed: {message}")
+        self.node_failed.emit(self._title(node_id), message, str(event.get("traceback") or ""))
 
     def _on_job_interrupted(self, event: Event) -> None:
         self.show_message("Interrupted")
@@ -202,7 +217,7 @@ class RunController(QObject):
         self.inspector.set_messages(self.node_errors)
 
     def _advance_seeds(self) -> None:
-        """Control after generate, applied to the document as one undoable step."""
+        """Control after generate (right after queueing, as ComfyUI), applied to the document as one step."""
         changes = advance_seeds(self.scene.workflow.copy(), self.registry.get)
         if not changes:
             return

@@ -47,6 +47,7 @@ Lookup = Callable[[str], type[NodeType] | None]
 REROUTE = "Reroute"
 PRIMITIVE = "PrimitiveNode"
 NOTE_TYPES = ("Note", "MarkdownNote")
+NOTE_SIZE = (400.0, 160.0)  # ComfyUI's default size of a Note node
 UI_MODES = {0: "normal", 1: "normal", 2: "muted", 3: "normal", 4: "bypassed"}  # LiteGraph mode numbers
 LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 COLUMN_WIDTH, ROW_HEIGHT = 380.0, 260.0  # spacing of the automatic layout of API prompts
@@ -366,7 +367,8 @@ def _note(node: _UiNode) -> dict[str, Any]:
     values = node.widgets_values
     text = values[0] if isinstance(values, list) and values else ""
     return {"id": node.id, "type": node.type, "title": node.title,
-            "text": text if isinstance(text, str) else "", "pos": list(node.pos)}
+            "text": text if isinstance(text, str) else "", "pos": list(node.pos),
+            "size": list(node.size or NOTE_SIZE)}
 
 
 def _ui_group(raw: Any, where: str, group_id: str) -> Group:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.graph.comfy import Lookup
+from engine.graph.comfy import NOTE_SIZE, Lookup
 from engine.graph.comfy_widgets import comfy_api_extras, comfy_ui_values
 from engine.graph.document import Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.spec import ANY, SEED, NodeType
@@ -198,7 +198,8 @@ def _ui_widgets_values(workflow: Workflow, node: NodeDoc, cls: type[NodeType] | 
 
 def _note_node(note: dict[str, Any], node_id: int, order: int) -> dict[str, Any]:
     pos = note.get("pos", [0.0, 0.0])
-    entry = {"id": node_id, "type": note.get("type", "Note"), "pos": pos, "size": [400.0, 160.0], "flags": {},
+    size = note.get("size") or list(NOTE_SIZE)
+    entry = {"id": node_id, "type": note.get("type", "Note"), "pos": pos, "size": size, "flags": {},
              "order": order, "mode": 0, "inputs": [], "outputs": [], "properties": {},
              "widgets_values": [note.get("text", "")]}
     if note.get("title"):

@@ -214,6 +214,7 @@ class Executor:
             report_preview=lambda image: bus.publish("preview", job_id=job_id, node_id=node_id, image=image),
             settings=self.settings,
             workflow=workflow,
+            lookup=self.lookup,
         )
         bus.publish("node_started", job_id=job_id, node_id=node_id, node_type=node_type.type_name)
         started = time.perf_counter()
