@@ -146,6 +146,8 @@ class Inspector(QScrollArea):
             except Exception as error:  # e.g. a models folder that cannot be listed
                 choices = [str(value)]
                 editor.setToolTip(f"cannot list the choices: {error}")
+            if str(value) not in choices:  # e.g. an alias a file holds: shown as the file says
+                choices = [str(value), *choices]
             editor.addItems(choices)
             editor.setCurrentText(str(value))
             editor.activated.connect(lambda index, e=editor: commit(e.currentText()))

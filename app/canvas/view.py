@@ -18,6 +18,7 @@ from app.canvas.port_item import PortItem
 from app.canvas.scene import WorkflowScene, types_compatible
 from app.canvas.widgets_paint import NODE_TEXT_POINTS, ValueEditor
 from app.canvas.wire_item import DragWire
+from engine.graph.spec import COMBO
 
 NODE_TYPE_MIME = "application/x-sluice-node-type"
 MIN_ZOOM, MAX_ZOOM = 0.1, 4.0
@@ -296,6 +297,8 @@ class CanvasView(QGraphicsView):
         except Exception as error:  # a choice list read from disk that cannot be listed now
             scene.status_message.emit(f"{name}: cannot list the choices: {error}")
             choices = [str(value)]
+        if spec.kind == COMBO and str(value) not in choices:  # e.g. an alias a file holds
+            choices = [str(value), *choices]
         if self.active_editor is not None:
             self.active_editor.close()
         editor = ValueEditor(spec, value, choices, self)
