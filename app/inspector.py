@@ -89,6 +89,8 @@ class Inspector(QScrollArea):
             badge.setToolTip("Where this model computes and where its weights rest (set in the memory panel)")
             column.addWidget(badge)
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow dock puts labels above
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.editors = {}
         title = QLineEdit(node.title)
         title.setPlaceholderText(node_type.display_name if node_type else node.type)
@@ -141,6 +143,8 @@ class Inspector(QScrollArea):
             editor.toggled.connect(commit)
         elif spec.kind == COMBO:
             editor = QComboBox()
+            editor.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            editor.setMinimumContentsLength(8)  # a long file name shows elided instead of widening the dock
             try:
                 choices = spec.current_choices()
             except Exception as error:  # e.g. a models folder that cannot be listed

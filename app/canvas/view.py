@@ -98,6 +98,7 @@ class CanvasView(QGraphicsView):
         if self.zoom() > 1.2:
             factor = 1.2 / self.zoom()
             self.scale(factor, factor)
+            self.centerOn(bounds.center())
         floor = self.readable_zoom()
         if keep_readable and self.zoom() < floor:
             factor = floor / self.zoom()
