@@ -60,8 +60,9 @@ WORKFLOW_FILTER = "Workflows (*.json);;Images with a workflow (*.png);;All files
 SAVE_FILTER = "Workflows (*.json)"  # a workflow is saved as JSON; PNGs with a workflow come from Save Image
 COMFY_FILTER = "ComfyUI workflows (*.json);;All files (*)"
 TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
-# The side docks' first width: (share of the window's width, least, most) pixels; later they scale with it.
-SIDE_DOCK_SHARE = {"dock_nodes": (0.15, 180, 360), "dock_inspector": (0.22, 260, 620)}
+# The side docks' widths as the window's changes: (share of the window's width, least, most pixels).
+SIDE_DOCK_SHARE = {"dock_nodes": (0.14, 180, 320), "dock_inspector": (0.2, 250, 480)}
+DOCK_DRAG_SLACK = 6  # pixels a side dock may differ from the width it was given before it counts as dragged
 MINIMAP_KEY = "canvas/minimap"  # QSettings: whether the canvas shows its minimap
 TESTING_NODES_KEY = "palette/show_testing"  # QSettings: whether _for_testing nodes are offered
 
@@ -84,6 +85,8 @@ class MainWindow(QMainWindow):
         self.resize(1440, 900)
         self._build_status_bar()
         self._docks: list[QDockWidget] = []
+        self._dock_shares: dict[str, float] = {}  # side dock -> the share of the window the user gave it
+        self._dock_widths: dict[str, int] = {}  # side dock -> the width it was last given
         self.view_menu: QMenu | None = None  # docks added later (add_dock) list themselves in it
         self._build_docks()
         self.memory_panel, self.devices_view = install_memory_views(self)
@@ -139,28 +142,34 @@ class MainWindow(QMainWindow):
         self._size_side_docks(self.width())
         self.resizeDocks(self._docks[1:4], [420, 160, 260], Qt.Orientation.Vertical)
 
+    def _side_docks(self) -> list[QDockWidget]:
+        return [dock for dock in self._docks if dock.objectName() in SIDE_DOCK_SHARE
+                and dock.isVisibleTo(self) and not dock.isFloating()]
+
     def _size_side_docks(self, window_width: int) -> None:
-        """The palette and inspector docks at their share of the window's width (SIDE_DOCK_SHARE)."""
-        docks, widths = [], []
-        for dock in self._docks:
-            share = SIDE_DOCK_SHARE.get(dock.objectName())
-            if share is not None and dock.isVisibleTo(self) and not dock.isFloating():
-                docks.append(dock)
-                widths.append(int(max(share[1], min(share[2], share[0] * window_width))))
+        """The palette and inspector docks at their share of the window's width: SIDE_DOCK_SHARE's, or the one
+        the user gave a dock by dragging its edge, within SIDE_DOCK_SHARE's bounds."""
+        docks = self._side_docks()
+        widths = []
+        for dock in docks:
+            default, least, most = SIDE_DOCK_SHARE[dock.objectName()]
+            share = self._dock_shares.get(dock.objectName(), default)
+            widths.append(int(max(least, min(most, share * window_width))))
         if docks:
             self.resizeDocks(docks, widths, Qt.Orientation.Horizontal)
+            self._dock_widths = {dock.objectName(): width for dock, width in zip(docks, widths, strict=True)}
 
     def resizeEvent(self, event: Any) -> None:
-        """Side docks grow and shrink with the window (keeping the share the user gave them)."""
+        """Side docks grow and shrink with the window (see _size_side_docks)."""
         old, new = event.oldSize().width(), event.size().width()
         super().resizeEvent(event)
         if old <= 0 or new <= 0 or old == new:
             return
-        docks = [dock for dock in self._docks if dock.objectName() in SIDE_DOCK_SHARE
-                 and dock.isVisibleTo(self) and not dock.isFloating()]
-        if docks:
-            self.resizeDocks(docks, [max(SIDE_DOCK_SHARE[d.objectName()][1], round(d.width() * new / old))
-                                     for d in docks], Qt.Orientation.Horizontal)
+        for dock in self._side_docks():
+            applied = self._dock_widths.get(dock.objectName())
+            if applied is not None and abs(dock.width() - applied) > DOCK_DRAG_SLACK:  # the user dragged it
+                self._dock_shares[dock.objectName()] = dock.width() / old
+        self._size_side_docks(new)
 
     def _action(self, text: str, slot: Any, shortcut: Any = None, icon: str | None = None,
                 canvas_only: bool = False) -> QAction:

@@ -57,7 +57,7 @@ class RunController(QObject):
         self._done = 0
         self._job_number = 0
         self.worker = EngineWorker(registry.get, settings)
-        self.worker.relay.event_received.connect(self.on_event)
+        self.worker.relay.events_ready.connect(self.on_events_ready)
         self.worker.job_started.connect(self.on_job_started)
         self.worker.job_finished.connect(self.on_job_finished)
         queue_panel.cancel_requested.connect(self.cancel)
@@ -130,7 +130,11 @@ class RunController(QObject):
             self._show_errors()
         self.job_done.emit(job_id, status)
 
-    @Slot(object)
+    @Slot()
+    def on_events_ready(self) -> None:
+        for event in self.worker.relay.take_events():
+            self.on_event(event)
+
     def on_event(self, event: Event) -> None:
         handler = getattr(self, f"_on_{event.kind}", None)
         if handler is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal, Slot
+from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QKeyEvent, QMouseEvent, QPainter, QWheelEvent
 from PySide6.QtWidgets import QGraphicsView, QMenu
 
@@ -24,6 +24,7 @@ NODE_TYPE_MIME = "application/x-sluice-node-type"
 MIN_ZOOM, MAX_ZOOM = 0.1, 4.0
 READABLE_TEXT_PIXELS = 9.0  # the first fit of a document never shrinks node text below this height
 FIT_MARGIN = 60.0  # scene units around the content when fitting
+MINIMAP_REFRESH_MS = 200  # the minimap follows scene changes at most this often (a run changes it constantly)
 
 
 class CanvasView(QGraphicsView):
@@ -36,6 +37,7 @@ class CanvasView(QGraphicsView):
         self.setRenderHints(QPainter.RenderHint.Antialiasing | QPainter.RenderHint.TextAntialiasing
                             | QPainter.RenderHint.SmoothPixmapTransform)
         self.setViewportUpdateMode(QGraphicsView.ViewportUpdateMode.BoundingRectViewportUpdate)
+        self.setCacheMode(QGraphicsView.CacheModeFlag.CacheBackground)  # the grid is drawn once per view
         self.setTransformationAnchor(QGraphicsView.ViewportAnchor.NoAnchor)
         self.setRubberBandSelectionMode(Qt.ItemSelectionMode.IntersectsItemShape)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -49,6 +51,8 @@ class CanvasView(QGraphicsView):
         self._drag_wire: DragWire | None = None
         self.active_editor: ValueEditor | None = None
         self.minimap = Minimap(self)
+        self._minimap_timer = QTimer(self, singleShot=True, interval=MINIMAP_REFRESH_MS)
+        self._minimap_timer.timeout.connect(self.minimap.update)
         scene.changed.connect(self._scene_changed)
         scene.editor_requested.connect(self.open_editor)
 
@@ -356,12 +360,12 @@ class CanvasView(QGraphicsView):
 
     @Slot(list)
     def _scene_changed(self, regions: list) -> None:
-        if self.minimap.isVisible():
-            self.minimap.update()
+        if self.minimap.isVisible() and not self._minimap_timer.isActive():
+            self._minimap_timer.start()
 
     def resizeEvent(self, event: Any) -> None:
         super().resizeEvent(event)
         margin = 12
-        self.minimap.setFixedSize(max(90, min(200, self.width() // 4)), max(60, min(130, self.height() // 4)))
+        self.minimap.setFixedSize(max(80, min(200, self.width() // 5)), max(54, min(130, self.height() // 5)))
         self.minimap.move(self.width() - self.minimap.width() - margin,
                           self.height() - self.minimap.height() - margin)
