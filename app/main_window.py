@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import shiboken6
 from PySide6.QtCore import QPoint, QPointF, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
@@ -62,6 +63,7 @@ COMFY_FILTER = "ComfyUI workflows (*.json);;All files (*)"
 TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
 # The side docks' widths as the window's changes: (share of the window's width, least, most pixels).
 SIDE_DOCK_SHARE = {"dock_nodes": (0.14, 180, 320), "dock_inspector": (0.2, 250, 480)}
+RUN_REDRAW_MS = 125  # while a job runs, dock timers that fire more often slow to this interval
 DOCK_DRAG_SLACK = 6  # pixels a side dock may differ from the width it was given before it counts as dragged
 MINIMAP_KEY = "canvas/minimap"  # QSettings: whether the canvas shows its minimap
 TESTING_NODES_KEY = "palette/show_testing"  # QSettings: whether _for_testing nodes are offered
@@ -87,6 +89,7 @@ class MainWindow(QMainWindow):
         self._docks: list[QDockWidget] = []
         self._dock_shares: dict[str, float] = {}  # side dock -> the share of the window the user gave it
         self._dock_widths: dict[str, int] = {}  # side dock -> the width it was last given
+        self._slowed_timers: list[tuple[QTimer, int]] = []  # (timer, its own interval) while a job runs
         self.view_menu: QMenu | None = None  # docks added later (add_dock) list themselves in it
         self._build_docks()
         self.memory_panel, self.devices_view = install_memory_views(self)
@@ -280,6 +283,7 @@ class MainWindow(QMainWindow):
         self.scene.group_title_edit_requested.connect(self._edit_group_title)
         self.scene.note_edit_requested.connect(self._edit_note)
         self.runs.node_failed.connect(self._node_failed)
+        self.runs.busy_changed.connect(self._slow_dock_timers)
         self.view.search_requested.connect(self.open_search)
         self.view.files_dropped.connect(self._files_dropped)
         self.palette.tree.add_requested.connect(self._palette_add)
@@ -679,6 +683,22 @@ class MainWindow(QMainWindow):
 
     def show_shortcuts(self) -> None:
         ShortcutsDialog(self).exec()
+
+    @Slot(bool)
+    def _slow_dock_timers(self, busy: bool) -> None:
+        """While a job runs, timers in the docks that redraw more often than every RUN_REDRAW_MS (the memory
+        panel's) slow to it: on a small machine the GUI thread's painting is taken from the engine's compute
+        (app/worker.py), and a panel redraw costs tens of milliseconds. Their intervals come back after."""
+        for timer, interval in self._slowed_timers:
+            if shiboken6.isValid(timer):
+                timer.setInterval(interval)
+        self._slowed_timers = []
+        if busy:
+            for dock in self._docks:
+                for timer in dock.findChildren(QTimer):
+                    if timer.isActive() and 0 < timer.interval() < RUN_REDRAW_MS:
+                        self._slowed_timers.append((timer, timer.interval()))
+                        timer.setInterval(RUN_REDRAW_MS)
 
     @Slot(str, str, str)
     def _node_failed(self, title: str, message: str, details: str) -> None:

@@ -37,6 +37,7 @@ class RunController(QObject):
 
     job_done = Signal(str, str)  # job id, status: a GUI-thread relay of the worker's job_finished
     node_failed = Signal(str, str, str)  # node title, "ExceptionType: message", traceback
+    busy_changed = Signal(bool)  # a job started while none ran (True); the last job ended (False)
 
     def __init__(self, scene: WorkflowScene, registry: NodeRegistry, settings: Any, queue_panel: QueuePanel,
                  gallery: GalleryList, inspector: Inspector, progress_bar: QProgressBar,
@@ -56,6 +57,7 @@ class RunController(QObject):
         self._node_count = 0
         self._done = 0
         self._job_number = 0
+        self._busy = False  # what busy_changed last said
         self.worker = EngineWorker(registry.get, settings)
         self.worker.relay.events_ready.connect(self.on_events_ready)
         self.worker.job_started.connect(self.on_job_started)
@@ -116,6 +118,9 @@ class RunController(QObject):
     @Slot(str)
     def on_job_started(self, job_id: str) -> None:
         self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), "running")
+        if not self._busy:
+            self._busy = True
+            self.busy_changed.emit(True)
 
     @Slot(str, str, object)
     def on_job_finished(self, job_id: str, status: str, result: JobResult) -> None:
@@ -129,6 +134,9 @@ class RunController(QObject):
                     self.node_errors.setdefault(error.node_id, []).append(error.message)
             self._show_errors()
         self.job_done.emit(job_id, status)
+        if self._busy and not self.worker.queue.pending():
+            self._busy = False
+            self.busy_changed.emit(False)
 
     @Slot()
     def on_events_ready(self) -> None:

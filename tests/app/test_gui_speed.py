@@ -5,7 +5,7 @@ short switch interval at most. No test here measures time."""
 import sys
 import threading
 
-from PySide6.QtCore import QCoreApplication, QObject, Slot
+from PySide6.QtCore import QCoreApplication, QObject, Qt, Slot
 
 from app.worker import ENGINE_SWITCH_INTERVAL, EventRelay
 from engine.telemetry import EventBus
@@ -70,3 +70,24 @@ def test_the_engine_thread_waits_for_the_gil_a_short_switch_interval(make_window
     job_id = window.queue()
     qtbot.waitUntil(lambda: window.runs.statuses.get(job_id) == "finished", timeout=TIMEOUT_MS)
     assert abs(sys.getswitchinterval() - ENGINE_SWITCH_INTERVAL) < 1e-6 and ENGINE_SWITCH_INTERVAL < 0.001
+
+
+def test_fast_dock_timers_slow_down_while_a_job_runs(make_window, qtbot, release_sleeper):
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QWidget
+
+    from app.main_window import RUN_REDRAW_MS
+
+    window = make_window()
+    panel = QWidget()
+    redraw = QTimer(panel)
+    redraw.setInterval(33)  # a panel that redraws at 30 Hz
+    redraw.start()
+    window.add_dock(panel, Qt.DockWidgetArea.BottomDockWidgetArea, "Test panel")
+    sleeper = window.scene.add_node("GuiSleep", (0, 0))
+    job_id = window.queue()
+    qtbot.waitUntil(lambda: window.scene.node_items[sleeper].running, timeout=TIMEOUT_MS)
+    assert redraw.interval() == RUN_REDRAW_MS
+    release_sleeper.set()
+    qtbot.waitUntil(lambda: window.runs.statuses.get(job_id) == "finished", timeout=TIMEOUT_MS)
+    assert redraw.interval() == 33 and redraw.isActive()
