@@ -542,7 +542,7 @@ def command_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-EXPORT_FORMATS = ("comfy-ui", "comfy-api")
+EXPORT_FORMATS = ("comfy-ui", "comfy-api")  # comfy_export's, which building the parser does not import
 
 
 def _add_export_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
@@ -558,12 +558,10 @@ def _add_export_parser(subparsers: Any, common: argparse.ArgumentParser) -> None
 
 
 def command_export(args: argparse.Namespace) -> int:
-    from engine.graph.comfy_export import to_api_prompt, to_comfy_ui
+    from engine.graph.comfy_export import export_text
 
     registry = _registry(_settings(args))
-    workflow = _load_workflow(args.workflow, registry.get)
-    convert = to_comfy_ui if args.format == "comfy-ui" else to_api_prompt
-    text = json.dumps(convert(workflow, registry.get), indent=2) + "\n"
+    text = export_text(_load_workflow(args.workflow, registry.get), registry.get, args.format)
     if args.out_file is None:
         sys.stdout.write(text)
         return EXIT_OK

@@ -4,7 +4,6 @@ autosave and crash recovery, export to ComfyUI's formats, the settings dialog, a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -435,10 +434,9 @@ class MainWindow(QMainWindow):
 
     def export_comfy(self, path: str, format_name: str) -> bool:
         """Write the document as a ComfyUI UI-format workflow ("comfy-ui") or API prompt ("comfy-api")."""
-        from engine.graph.comfy_export import to_api_prompt, to_comfy_ui
+        from engine.graph.comfy_export import export_text
 
-        convert = to_comfy_ui if format_name == "comfy-ui" else to_api_prompt
-        text = json.dumps(convert(self.scene.workflow, self.registry.get), indent=2) + "\n"
+        text = export_text(self.scene.workflow, self.registry.get, format_name)
         try:
             Path(path).write_text(text, encoding="utf-8")
         except OSError as error:
@@ -739,7 +737,8 @@ class MainWindow(QMainWindow):
         self.view.set_minimap_visible(minimap)
         testing = self.app_settings.value(TESTING_NODES_KEY, False) in (True, "true", "1")
         self.testing_nodes_action.setChecked(testing)
-        self.palette.set_show_testing(testing)
+        if testing != self.palette.tree.show_testing:
+            self.palette.set_show_testing(testing)
 
     @Slot(bool)
     def set_minimap_visible(self, visible: bool) -> None:

@@ -47,6 +47,7 @@ class PaletteTree(QTreeWidget):
         self.fill(show_testing=False)
 
     def fill(self, show_testing: bool) -> None:
+        self.show_testing = show_testing
         self.clear()
         folders: dict[str, QTreeWidgetItem] = {}
         for category, node_types in self.registry.categories().items():

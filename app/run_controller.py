@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QProgressBar
 
@@ -30,6 +30,7 @@ from engine.telemetry import Event
 from nodes.registry import NodeRegistry
 
 IMAGE_EVENTS = ("image_saved", "image_preview")
+PROGRESS_BAR_MS = 100  # the overall progress bar moves at most this often (see _set_progress)
 
 
 class RunController(QObject):
@@ -58,6 +59,9 @@ class RunController(QObject):
         self._done = 0
         self._job_number = 0
         self._busy = False  # what busy_changed last said
+        self._progress_value = 0
+        self._progress_timer = QTimer(self, singleShot=True, interval=PROGRESS_BAR_MS)
+        self._progress_timer.timeout.connect(self._show_progress)
         self.worker = EngineWorker(registry.get, settings)
         self.worker.relay.events_ready.connect(self.on_events_ready)
         self.worker.job_started.connect(self.on_job_started)
@@ -158,6 +162,7 @@ class RunController(QObject):
         self.node_errors = {}
         self._show_errors()
         self.progress_bar.setRange(0, 100 * self._node_count)
+        self._progress_timer.stop()
         self.progress_bar.setValue(0)
         self.progress_bar.setVisible(True)
 
@@ -178,13 +183,24 @@ class RunController(QObject):
 
     def _advance_overall(self, amount: float) -> None:
         self._done += amount
-        self.progress_bar.setValue(int(100 * self._done))
+        self._set_progress(int(100 * self._done))
+
+    def _set_progress(self, value: int) -> None:
+        """QProgressBar.setValue repaints the whole window synchronously when the bar visibly moves, so the
+        bar follows the job through a timer instead of once per event."""
+        self._progress_value = value
+        if not self._progress_timer.isActive():
+            self._progress_timer.start()
+
+    @Slot()
+    def _show_progress(self) -> None:
+        self.progress_bar.setValue(self._progress_value)
 
     def _on_progress(self, event: Event) -> None:
         value, maximum = int(event.get("value", 0)), int(event.get("max", 0) or 0)
         self.scene.set_node_running(event["node_id"], True, (value, maximum))
         if maximum > 0:
-            self.progress_bar.setValue(int(100 * (self._done + min(1.0, value / maximum))))
+            self._set_progress(int(100 * (self._done + min(1.0, value / maximum))))
 
     def _on_preview(self, event: Event) -> None:
         image = event.get("image")

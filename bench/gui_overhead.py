@@ -1,7 +1,7 @@
 """What the desktop app costs a run: the default workflow's job time from the GUI against `sluice --headless`
 on the same machine, and the start-up of the app to a shown window (issue 20, point 3).
 
-    .venv/bin/python bench/gui_overhead.py [--repeats 5] [--size 1600x1000]
+    .venv/bin/python bench/gui_overhead.py [--repeats 5] [--size 1600x1000] [--threads N] [--no-startup]
 
 Every measurement is a fresh interpreter; the GUI ones run Qt offscreen (QT_QPA_PLATFORM=offscreen), with the
 window at --size, its docks (memory panel included) as a user first sees them, and the embedded model. GUI and
@@ -14,10 +14,15 @@ headless children alternate, so a busy machine slows both alike. Rows:
   child presses Queue again (control after generate randomizes the seed);
 - gui thread cpu: CPU seconds the GUI thread used during the first and the next job;
 - start-up to a shown window: from the start of the process (`python -m app`'s path: app.cli.main) to the
-  first paint inside the main window.
+  first paint inside the main window, and the CPU seconds the process used until then (on a busy machine the
+  wall time grows with the load, the CPU time much less: it is what an idle machine's wall time approaches).
 
 All children share one profile cache folder, filled by a headless run before the measurements. Prints the
 median over --repeats with the minimum and maximum, and the GUI / headless ratio of the medians.
+
+--threads sets torch's CPU threads in every child (OMP_NUM_THREADS; default: torch's own, one per core): on a
+machine others load too, two OpenMP threads on two cores wait for each other whenever one is descheduled,
+which swamps what is measured; one thread each keeps the comparison readable there.
 """
 
 from __future__ import annotations
@@ -128,8 +133,10 @@ class ShownWatch(QObject):
         if not self.done and event.type() == QEvent.Type.Paint and isinstance(watched, QWidget) \\
                 and type(watched.window()).__name__ == "MainWindow" and watched.window().isVisible():
             self.done = True
-            shown = time.time() - psutil.Process().create_time()
-            print(json.dumps({"shown": shown}), flush=True)
+            process = psutil.Process()
+            shown = time.time() - process.create_time()
+            times = process.cpu_times()
+            print(json.dumps({"shown": shown, "cpu": times.user + times.system}), flush=True)
             QTimer.singleShot(0, watched.window().close)
         return False
 
@@ -158,6 +165,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="children of each kind (default 5)")
     parser.add_argument("--size", default="1600x1000", help="window size, WIDTHxHEIGHT (default 1600x1000)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads in every child (default: torch's)")
+    parser.add_argument("--no-startup", action="store_true", help="leave out the start-up measurement")
     args = parser.parse_args()
     width, height = (int(part) for part in args.size.lower().split("x"))
     with tempfile.TemporaryDirectory(prefix="sluice-gui-overhead-") as folder:
@@ -165,28 +174,33 @@ def main() -> int:
                "SLUICE_SETTINGS": str(Path(folder) / "no-settings.json"),
                "SLUICE_APP_DATA": str(Path(folder) / "app-data"), "SLUICE_AUTO_RESTORE": "0"}
         env.pop("SLUICE_MODELS", None)
+        if args.threads is not None:
+            env["OMP_NUM_THREADS"] = str(args.threads)
         output = str(Path(folder) / "output")
         child(HEADLESS_CHILD, env, OUTPUT=output)  # fills the profile cache; not counted
         rows: dict[str, list[float]] = {name: [] for name in (
             "headless first", "gui first", "headless next", "gui next", "gui cpu first", "gui cpu next",
-            "start-up")}
+            "start-up", "start-up cpu")}
         for repeat in range(args.repeats):
             headless = child(HEADLESS_CHILD, env, OUTPUT=output)
             gui = child(GUI_CHILD, env, OUTPUT=output, WIDTH=width, HEIGHT=height)
-            startup = child(STARTUP_CHILD, env, OUTPUT=output)
+            startup = {"shown": float("nan")} if args.no_startup else child(STARTUP_CHILD, env, OUTPUT=output)
             rows["headless first"].append(headless["first"])
             rows["headless next"].append(headless["next"])
             rows["gui first"].append(gui["first"])
             rows["gui next"].append(gui["next"])
             rows["gui cpu first"].append(gui["first_cpu"])
             rows["gui cpu next"].append(gui["next_cpu"])
-            rows["start-up"].append(startup["shown"])
+            if not args.no_startup:
+                rows["start-up"].append(startup["shown"])
+                rows["start-up cpu"].append(startup["cpu"])
             print(f"repeat {repeat + 1}/{args.repeats}: headless {headless['first']:.2f} / "
                   f"{headless['next']:.2f} s, GUI {gui['first']:.2f} / {gui['next']:.2f} s, shown after "
                   f"{startup['shown']:.2f} s (load average {os.getloadavg()[0]:.1f})", file=sys.stderr,
                   flush=True)
+    threads = f"{args.threads} torch thread(s)" if args.threads else "torch's threads"
     print(f"default workflow, window {width}x{height} offscreen, {args.repeats} repeats, "
-          f"{os.cpu_count()} cores; median (min .. max)")
+          f"{os.cpu_count()} cores, {threads}; median (min .. max)")
     print(f"{'':28}{'headless':>28}{'GUI':>30}{'GUI / headless':>16}")
     for label, key in (("job, first run", "first"), ("job, next run (new seed)", "next")):
         headless, gui = rows[f"headless {key}"], rows[f"gui {key}"]
@@ -194,7 +208,9 @@ def main() -> int:
         print(f"{label:28}{summary(headless):>28}{summary(gui):>30}{ratio:>15.2f}x")
     print(f"{'gui thread cpu, first job':28}{'':>28}{summary(rows['gui cpu first']):>30}")
     print(f"{'gui thread cpu, next job':28}{'':>28}{summary(rows['gui cpu next']):>30}")
-    print(f"{'start-up to a shown window':28}{'':>28}{summary(rows['start-up']):>30}")
+    if rows["start-up"]:
+        print(f"{'start-up to a shown window':28}{'':>28}{summary(rows['start-up']):>30}")
+        print(f"{'  cpu seconds until then':28}{'':>28}{summary(rows['start-up cpu']):>30}")
     return 0
 
 

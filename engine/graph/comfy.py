@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import networkx as nx
-
 from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs, list_field
 from engine.graph.comfy_widgets import SLUICE_ONLY_WIDGETS, named_ui_values, sluice_api_inputs
 from engine.graph.document import MAX_COORDINATE, Group, Link, NodeDoc, Workflow, id_sort_key, is_coordinate
@@ -473,6 +471,8 @@ def _api_link_type(workflow: Workflow, lookup: Lookup, source: str, output: int,
 
 def layered_positions(workflow: Workflow) -> dict[str, tuple[float, float]]:
     """A column per depth (longest path from a source; a cycle shares one column), rows in id order."""
+    import networkx as nx  # here, not at import: opening a file in the desktop app does not need it
+
     graph = nx.DiGraph()
     graph.add_nodes_from(workflow.nodes)
     graph.add_edges_from((link.source, link.target) for link in workflow.links

@@ -10,6 +10,7 @@ the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` b
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.graph.comfy import NOTE_SIZE, Lookup
@@ -17,8 +18,17 @@ from engine.graph.comfy_widgets import comfy_api_extras, comfy_ui_values
 from engine.graph.document import Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.spec import ANY, SEED, NodeType
 
+EXPORT_FORMATS = ("comfy-ui", "comfy-api")  # a UI workflow (ComfyUI's Load), an API prompt (its /prompt)
 UI_MODE_NUMBERS = {"normal": 0, "muted": 2, "bypassed": 4}
 GROUP_COLOR = "#3f789e"  # ComfyUI's default group colour
+
+
+def export_text(workflow: Workflow, lookup: Lookup, format_name: str) -> str:
+    """`workflow` as the JSON text of a ComfyUI file in one of EXPORT_FORMATS."""
+    if format_name not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {format_name!r}; accepted: {', '.join(EXPORT_FORMATS)}")
+    data = to_comfy_ui(workflow, lookup) if format_name == "comfy-ui" else to_api_prompt(workflow, lookup)
+    return json.dumps(data, indent=2) + "\n"
 
 
 def to_api_prompt(workflow: Workflow, lookup: Lookup) -> dict[str, Any]:

@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
-
 from engine import telemetry
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import Interrupted, NodeFailure, ValidationError
@@ -147,6 +145,8 @@ class Executor:
         return result
 
     def _plan(self, workflow: Workflow) -> _Plan:
+        import networkx as nx  # here, not at import: the desktop app starts without it
+
         graph = build_graph(workflow)
         classes = {node_id: self.lookup(workflow.nodes[node_id].type) for node_id in graph}
         output_nodes = [n for n in graph if classes[n].output_node and workflow.nodes[n].mode == "normal"]

@@ -2,8 +2,12 @@
 relay hands the GUI thread only the events it shows, in batches, and the engine thread waits for the GIL a
 short switch interval at most. No test here measures time."""
 
+import json
+import os
+import subprocess
 import sys
 import threading
+from pathlib import Path
 
 from PySide6.QtCore import QCoreApplication, QObject, Qt, Slot
 
@@ -91,3 +95,42 @@ def test_fast_dock_timers_slow_down_while_a_job_runs(make_window, qtbot, release
     release_sleeper.set()
     qtbot.waitUntil(lambda: window.runs.statuses.get(job_id) == "finished", timeout=TIMEOUT_MS)
     assert redraw.interval() == 33 and redraw.isActive()
+
+
+SHOWN_CHILD = """
+import json, sys
+from PySide6.QtCore import QEvent, QObject, QTimer
+from PySide6.QtWidgets import QApplication, QWidget
+application = QApplication(sys.argv)
+
+
+class ShownWatch(QObject):
+    def eventFilter(self, watched, event):
+        if event.type() == QEvent.Type.Paint and isinstance(watched, QWidget) \\
+                and type(watched.window()).__name__ == "MainWindow" and watched.window().isVisible():
+            application.removeEventFilter(self)
+            print(json.dumps(sorted(name for name, module in sys.modules.items() if module is not None)))
+            QTimer.singleShot(0, watched.window().close)
+        return False
+
+
+watch = ShownWatch()
+application.installEventFilter(watch)
+import app.cli
+raise SystemExit(app.cli.main(["--output", sys.argv[1], "--models", sys.argv[2]]))
+"""
+
+
+def test_the_window_shows_before_any_library_only_a_run_needs_is_imported(tmp_path):
+    """A fresh `sluice` (the desktop app) paints its window without importing networkx (the executor's, on
+    the first Queue), spandrel, torchvision, diffusers or transformers."""
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen", "SLUICE_APP_DATA": str(tmp_path / "app-data"),
+           "SLUICE_SETTINGS": str(tmp_path / "no-settings.json"), "SLUICE_AUTO_RESTORE": "0"}
+    command = [sys.executable, "-c", SHOWN_CHILD, str(tmp_path / "out"), str(tmp_path / "models")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
+                            cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = set(json.loads(result.stdout.strip().splitlines()[-1]))
+    assert "app.main_window" in loaded
+    assert loaded.isdisjoint({"networkx", "spandrel", "torchvision", "diffusers", "transformers"}), \
+        sorted(loaded & {"networkx", "spandrel", "torchvision", "diffusers", "transformers"})
