@@ -5,7 +5,9 @@ prompt muted nodes are left out and bypassed nodes are resolved through as Sluic
 output passes on the first linked input of the same type); seed controls are not part of a prompt. The UI
 workflow keeps every node with its mode, lists link inputs and linked widgets (as converted widgets) in
 `inputs`, writes `widgets_values` positionally with each seed followed by its control (in ComfyUI's layout for
-the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` back into Note nodes.
+the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` back into Note nodes. Sampler
+and scheduler values under stable-diffusion.cpp's names (`dpm++2m`, `euler_a`, `discrete`), which Sluice
+accepts and ComfyUI does not, are written under ComfyUI's names for the same sampler (`comfy_choice`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def to_api_prompt(workflow: Workflow, lookup: Lookup) -> dict[str, Any]:
             defaults = cls.default_widget_values()
             for spec in cls.inputs:
                 if spec.is_widget and sources.get(spec.name) is None:
-                    inputs[spec.name] = node.widgets.get(spec.name, defaults[spec.name])
+                    value = node.widgets.get(spec.name, defaults[spec.name])
+                    inputs[spec.name] = comfy_choice(spec.name, value)
             inputs.update(comfy_api_extras(node.type, inputs))
         for name, source in sources.items():
             if source is not None:
@@ -200,10 +203,26 @@ def _ui_widgets_values(workflow: Workflow, node: NodeDoc, cls: type[NodeType] | 
         return translated
     values: list[Any] = []
     for spec in cls.widget_inputs():
-        values.append(node.widgets.get(spec.name, defaults[spec.name]))
+        values.append(comfy_choice(spec.name, node.widgets.get(spec.name, defaults[spec.name])))
         if spec.kind == SEED:
             values.append(node.seed_controls.get(spec.name, "fixed"))
     return values
+
+
+def comfy_choice(name: str, value: Any) -> Any:
+    """ComfyUI's name for a sampler or scheduler value given under another name of the same one (the first of
+    its spellings in the engine's registries, which list ComfyUI's first), else `value` as it is."""
+    if name in ("sampler_name", "scheduler") and isinstance(value, str):
+        from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS
+        from engine.sampling.schedulers import SCHEDULERS
+
+        if name == "sampler_name" and value in SAMPLERS:
+            function = SAMPLERS[value]
+            return next((alias for alias, target in SAMPLER_ALIASES.items() if SAMPLERS[target] is function),
+                        value)
+        if name == "scheduler" and value in SCHEDULERS:
+            return next(key for key, function in SCHEDULERS.items() if function is SCHEDULERS[value])
+    return value
 
 
 def _note_node(note: dict[str, Any], node_id: int, order: int) -> dict[str, Any]:
