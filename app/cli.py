@@ -1,5 +1,5 @@
 """The `sluice` command: the desktop app by default, and headless subcommands (run, validate, nodes, devices,
-plan, inspect, convert, serve).
+plan, inspect, convert, serve, export).
 
 Exit codes: 0 success, 1 invalid workflow or failed node, 2 bad usage or unreadable file, 130 interrupted.
 This module never imports Qt at import time; a headless run never imports it at all. To add a subcommand,
@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.graph.document import Workflow, id_sort_key
 from engine.graph.errors import WorkflowError
-from engine.settings import Settings, SettingsError, load_settings, resources_dir
+from engine.settings import Settings, SettingsError, load_settings, resources_dir, with_memory_defaults
 from nodes.registry import NodeRegistry, default_registry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -71,6 +71,13 @@ def _load_workflow(path: str | Path, lookup: Callable[[str], Any]) -> Workflow:
     for warning in warnings:
         print(f"sluice: warning: {warning}", file=sys.stderr)
     return workflow
+
+
+def apply_memory_defaults(workflow: Workflow, settings: Settings) -> None:
+    """Give the workflow the settings file's default memory settings it does not set itself."""
+    memory = with_memory_defaults(workflow.settings.get("memory"), settings)
+    if memory:
+        workflow.settings["memory"] = memory
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
@@ -215,6 +222,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     apply_overrides(workflow, args.set or [], registry.get)
     if getattr(args, "force", False):
         workflow.settings[FORCE_KEY] = True
+    apply_memory_defaults(workflow, settings)
     errors = validate(workflow, registry.get)
     if errors:
         for error in errors:
@@ -544,6 +552,7 @@ def command_plan(args: argparse.Namespace) -> int:
     workflow = _load_workflow(args.workflow, registry.get)
     apply_overrides(workflow, args.set or [], registry.get)
     problems: list[str] = []
+    apply_memory_defaults(workflow, settings)
     try:
         runtime = configure_memory(args, workflow)
         plan = workflow_plan(workflow, settings, runtime, problems)
@@ -658,6 +667,37 @@ def command_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+EXPORT_FORMATS = ("comfy-ui", "comfy-api")  # comfy_export's, which building the parser does not import
+
+
+def _add_export_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
+    parser = subparsers.add_parser("export", parents=[common], help="write a workflow as a ComfyUI file",
+                                   description="Write a workflow (any format Sluice opens) as a ComfyUI "
+                                               "UI-format workflow or an API-format prompt.")
+    parser.add_argument("workflow", help="workflow file: Sluice or ComfyUI JSON, or a PNG that embeds one")
+    parser.add_argument("--format", required=True, choices=EXPORT_FORMATS,
+                        help="comfy-ui: the workflow ComfyUI's Load opens; comfy-api: the prompt its /prompt "
+                             "endpoint runs")
+    parser.add_argument("-o", dest="out_file", metavar="FILE", help="output file (default: stdout)")
+    parser.set_defaults(handler=command_export)
+
+
+def command_export(args: argparse.Namespace) -> int:
+    from engine.graph.comfy_export import export_text
+
+    registry = _registry(_settings(args))
+    text = export_text(_load_workflow(args.workflow, registry.get), registry.get, args.format)
+    if args.out_file is None:
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        Path(args.out_file).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise CommandError(f"cannot write {args.out_file}: {error.strerror or error}") from None
+    print(f"sluice: wrote {args.out_file}", file=sys.stderr)
+    return EXIT_OK
+
+
 def command_gui(args: argparse.Namespace) -> int:
     settings = _settings(args)
     try:
@@ -705,6 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers, common)
     _add_convert_parser(subparsers, common)
     _add_serve_parser(subparsers, common)
+    _add_export_parser(subparsers, common)
     return parser
 
 

@@ -92,6 +92,8 @@ class Inspector(QScrollArea):
             description.setEnabled(False)
             column.addWidget(description)
         form = QFormLayout()
+        form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)  # a narrow dock puts labels above
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         self.editors = {}
         self.placement_label = None
         title = QLineEdit(node.title)
@@ -199,11 +201,15 @@ class Inspector(QScrollArea):
             editor.toggled.connect(commit)
         elif spec.kind == COMBO:
             editor = QComboBox()
+            editor.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            editor.setMinimumContentsLength(8)  # a long file name shows elided instead of widening the dock
             try:
                 choices = spec.current_choices()
             except Exception as error:  # e.g. a models folder that cannot be listed
                 choices = [str(value)]
                 editor.setToolTip(f"cannot list the choices: {error}")
+            if str(value) not in choices:  # e.g. an alias a file holds: shown as the file says
+                choices = [str(value), *choices]
             editor.addItems(choices)
             editor.setCurrentText(str(value))
             editor.activated.connect(lambda index, e=editor: commit(e.currentText()))

@@ -1,5 +1,6 @@
 """The main window: the canvas in the middle, docks around it (palette, inspector, queue, gallery, and
-slots for other panels through `add_dock`), files with autosave and crash recovery, and `run_gui`."""
+slots for other panels through `add_dock`) that keep their share of the window as it resizes, files with
+autosave and crash recovery, export to ComfyUI's formats, the settings dialog, and `run_gui`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import shiboken6
 from PySide6.QtCore import QPoint, QPointF, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
 from PySide6.QtWidgets import (
@@ -31,7 +33,7 @@ from app.canvas.scene import WorkflowScene
 from app.canvas.view import CanvasView
 from app.inspector import Inspector
 from app.memory_panel import TraceReplayWindow, install_memory_views
-from app.panels import GalleryList, PalettePanel, QueuePanel
+from app.panels import GalleryList, PalettePanel, QueuePanel, is_testing_node
 from app.run_controller import RunController
 from app.search import RECENT_LIMIT, NodeSearch
 from app.session import (
@@ -43,6 +45,7 @@ from app.session import (
     load_workflow_file,
     recent_files,
 )
+from app.settings_dialog import SettingsDialog, left_drag_selects
 from app.shortcuts import ShortcutsDialog
 from engine.graph.document import Workflow
 from engine.graph.errors import WorkflowError
@@ -54,7 +57,15 @@ log = logging.getLogger(__name__)
 AUTOSAVE_SECONDS = 30
 AUTOSAVE_DEBOUNCE_MS = 1500
 WORKFLOW_FILTER = "Workflows (*.json);;Images with a workflow (*.png);;All files (*)"
+SAVE_FILTER = "Workflows (*.json)"  # a workflow is saved as JSON; PNGs with a workflow come from Save Image
+COMFY_FILTER = "ComfyUI workflows (*.json);;All files (*)"
 TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
+# The side docks' widths as the window's changes: (share of the window's width, least, most pixels).
+SIDE_DOCK_SHARE = {"dock_nodes": (0.14, 180, 320), "dock_inspector": (0.2, 250, 480)}
+RUN_REDRAW_MS = 125  # while a job runs, dock timers that fire more often slow to this interval
+DOCK_DRAG_SLACK = 6  # pixels a side dock may differ from the width it was given before it counts as dragged
+MINIMAP_KEY = "canvas/minimap"  # QSettings: whether the canvas shows its minimap
+TESTING_NODES_KEY = "palette/show_testing"  # QSettings: whether _for_testing nodes are offered
 
 
 class MainWindow(QMainWindow):
@@ -75,6 +86,9 @@ class MainWindow(QMainWindow):
         self.resize(1440, 900)
         self._build_status_bar()
         self._docks: list[QDockWidget] = []
+        self._dock_shares: dict[str, float] = {}  # side dock -> the share of the window the user gave it
+        self._dock_widths: dict[str, int] = {}  # side dock -> the width it was last given
+        self._slowed_timers: list[tuple[QTimer, int]] = []  # (timer, its own interval) while a job runs
         self.view_menu: QMenu | None = None  # docks added later (add_dock) list themselves in it
         self._build_docks()
         self.memory_panel, self.devices_view = install_memory_views(self)
@@ -87,6 +101,7 @@ class MainWindow(QMainWindow):
         self._autosave_timer = QTimer(self, interval=max(1, autosave_seconds) * 1000)
         self._autosave_timer.timeout.connect(self.autosave_now)
         self._autosave_timer.start()
+        self._apply_preferences()
         self._restore_layout()
         if auto_restore is None and os.environ.get("SLUICE_AUTO_RESTORE"):
             auto_restore = os.environ["SLUICE_AUTO_RESTORE"] not in ("0", "")
@@ -126,9 +141,37 @@ class MainWindow(QMainWindow):
         self.add_dock(self.inspector, Qt.DockWidgetArea.RightDockWidgetArea, "Inspector")
         self.add_dock(self.queue_panel, Qt.DockWidgetArea.RightDockWidgetArea, "Queue")
         self.add_dock(self.gallery, Qt.DockWidgetArea.RightDockWidgetArea, "Gallery")
-        self.resizeDocks(self._docks[:1], [230], Qt.Orientation.Horizontal)
-        self.resizeDocks(self._docks[1:2], [300], Qt.Orientation.Horizontal)
+        self._size_side_docks(self.width())
         self.resizeDocks(self._docks[1:4], [420, 160, 260], Qt.Orientation.Vertical)
+
+    def _side_docks(self) -> list[QDockWidget]:
+        return [dock for dock in self._docks if dock.objectName() in SIDE_DOCK_SHARE
+                and dock.isVisibleTo(self) and not dock.isFloating()]
+
+    def _size_side_docks(self, window_width: int) -> None:
+        """The palette and inspector docks at their share of the window's width: SIDE_DOCK_SHARE's, or the one
+        the user gave a dock by dragging its edge, within SIDE_DOCK_SHARE's bounds."""
+        docks = self._side_docks()
+        widths = []
+        for dock in docks:
+            default, least, most = SIDE_DOCK_SHARE[dock.objectName()]
+            share = self._dock_shares.get(dock.objectName(), default)
+            widths.append(int(max(least, min(most, share * window_width))))
+        if docks:
+            self.resizeDocks(docks, widths, Qt.Orientation.Horizontal)
+            self._dock_widths = {dock.objectName(): width for dock, width in zip(docks, widths, strict=True)}
+
+    def resizeEvent(self, event: Any) -> None:
+        """Side docks grow and shrink with the window (see _size_side_docks)."""
+        old, new = event.oldSize().width(), event.size().width()
+        super().resizeEvent(event)
+        if old <= 0 or new <= 0 or old == new:
+            return
+        for dock in self._side_docks():
+            applied = self._dock_widths.get(dock.objectName())
+            if applied is not None and abs(dock.width() - applied) > DOCK_DRAG_SLACK:  # the user dragged it
+                self._dock_shares[dock.objectName()] = dock.width() / old
+        self._size_side_docks(new)
 
     def _action(self, text: str, slot: Any, shortcut: Any = None, icon: str | None = None,
                 canvas_only: bool = False) -> QAction:
@@ -151,6 +194,14 @@ class MainWindow(QMainWindow):
                                         "open")
         self.save_action = self._action("&Save", self.save, QKeySequence.StandardKey.Save, "save")
         self.save_as_action = self._action("Save &As...", self.save_as, "Ctrl+Shift+S")
+        self.export_ui_action = self._action("ComfyUI &workflow (UI format)...", self.export_comfy_ui_dialog)
+        self.export_api_action = self._action("ComfyUI &API prompt...", self.export_comfy_api_dialog)
+        self.settings_action = self._action("Se&ttings...", self.show_settings, "Ctrl+,")
+        self.add_note_action = self._action("Add no&te", self.add_note_at_cursor)
+        self.minimap_action = self._action("&Minimap", self.set_minimap_visible)
+        self.minimap_action.setCheckable(True)
+        self.testing_nodes_action = self._action("Show &testing nodes (_for_testing)", self.set_show_testing)
+        self.testing_nodes_action.setCheckable(True)
         self.quit_action = self._action("&Quit", self.close, QKeySequence.StandardKey.Quit)
         self.undo_action = stack.createUndoAction(self, "&Undo")
         self.undo_action.setShortcuts(QKeySequence.StandardKey.Undo)
@@ -184,15 +235,23 @@ class MainWindow(QMainWindow):
         self.recent_menu = file_menu.addMenu("Open &recent")
         for action in (self.save_action, self.save_as_action):
             file_menu.addAction(action)
+        export_menu = file_menu.addMenu("&Export")
+        export_menu.addAction(self.export_ui_action)
+        export_menu.addAction(self.export_api_action)
+        file_menu.addSeparator()
+        file_menu.addAction(self.settings_action)
         file_menu.addSeparator()
         file_menu.addAction(self.quit_action)
         edit_menu = menus.addMenu("&Edit")
         for action in (self.undo_action, self.redo_action, None, self.copy_action, self.paste_action,
-                       self.duplicate_action, self.delete_action, None, self.search_action, self.mute_action,
-                       self.bypass_action, self.collapse_action, self.group_action):
+                       self.duplicate_action, self.delete_action, None, self.search_action,
+                       self.add_note_action, self.mute_action, self.bypass_action, self.collapse_action,
+                       self.group_action):
             edit_menu.addSeparator() if action is None else edit_menu.addAction(action)
         self.view_menu = menus.addMenu("&View")
         self.view_menu.addAction(self.fit_action)
+        self.view_menu.addAction(self.minimap_action)
+        self.view_menu.addAction(self.testing_nodes_action)
         self.view_menu.addSeparator()
         for dock in self._docks:
             self.view_menu.addAction(dock.toggleViewAction())
@@ -221,6 +280,9 @@ class MainWindow(QMainWindow):
         self.scene.status_message.connect(self.show_message)
         self.scene.title_edit_requested.connect(self._edit_title)
         self.scene.group_title_edit_requested.connect(self._edit_group_title)
+        self.scene.note_edit_requested.connect(self._edit_note)
+        self.runs.node_failed.connect(self._node_failed)
+        self.runs.busy_changed.connect(self._slow_dock_timers)
         self.view.search_requested.connect(self.open_search)
         self.view.files_dropped.connect(self._files_dropped)
         self.palette.tree.add_requested.connect(self._palette_add)
@@ -287,7 +349,11 @@ class MainWindow(QMainWindow):
         self.runs.node_errors = {}
         self.inspector.set_messages({})
         self.update_title()
-        QTimer.singleShot(0, self.view.fit_to_content)
+        QTimer.singleShot(0, self._first_fit)
+
+    @Slot()
+    def _first_fit(self) -> None:
+        self.view.fit_to_content(keep_readable=True)
 
     def new_document(self) -> None:
         if self.maybe_discard():
@@ -348,12 +414,36 @@ class MainWindow(QMainWindow):
         return self.save_to(self.file_path)
 
     def save_as(self) -> bool:
-        path, _ = QFileDialog.getSaveFileName(self, "Save workflow", self._last_folder(), WORKFLOW_FILTER)
+        path, _ = QFileDialog.getSaveFileName(self, "Save workflow", self._last_folder(), SAVE_FILTER)
         if not path:
             return False
-        if not path.lower().endswith(".json"):
-            path += ".json"
-        return self.save_to(path)
+        return self.save_to(json_path(path))
+
+    def export_comfy_ui_dialog(self) -> None:
+        self._export_dialog("comfy-ui", "Export as a ComfyUI workflow")
+
+    def export_comfy_api_dialog(self) -> None:
+        self._export_dialog("comfy-api", "Export as a ComfyUI API prompt")
+
+    def _export_dialog(self, format_name: str, caption: str) -> None:
+        stem = Path(self.file_path).stem if self.file_path else "workflow"
+        suggested = str(Path(self._last_folder()) / f"{stem}_{format_name.split('-')[1]}.json")
+        path, _ = QFileDialog.getSaveFileName(self, caption, suggested, COMFY_FILTER)
+        if path:
+            self.export_comfy(json_path(path), format_name)
+
+    def export_comfy(self, path: str, format_name: str) -> bool:
+        """Write the document as a ComfyUI UI-format workflow ("comfy-ui") or API prompt ("comfy-api")."""
+        from engine.graph.comfy_export import export_text
+
+        text = export_text(self.scene.workflow, self.registry.get, format_name)
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as error:
+            self.show_message(f"cannot export {path}: {error}")
+            return False
+        self.show_message(f"Exported {Path(path).name} for ComfyUI")
+        return True
 
     def save_to(self, path: str) -> bool:
         try:
@@ -472,7 +562,20 @@ class MainWindow(QMainWindow):
         self._save_layout()
         self.recovery.mark_clean_exit()
 
+    def confirm_close_during_run(self) -> bool:
+        """Whether to quit although a job runs or waits (tests replace this method)."""
+        waiting = len(self.runs.worker.queue.pending())
+        more = f" and {waiting} more wait{'s' if waiting == 1 else ''} in the queue" if waiting else ""
+        answer = QMessageBox.question(
+            self, "A job is running",
+            f"A job is running{more}. Quit anyway? The running job is interrupted and the queue is dropped.",
+            QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No, QMessageBox.StandardButton.No)
+        return answer == QMessageBox.StandardButton.Yes
+
     def closeEvent(self, event: QCloseEvent) -> None:
+        if not self._closing_done and self.runs.busy() and not self.confirm_close_during_run():
+            event.ignore()
+            return
         if not self._closing_done and not self.maybe_discard():
             event.ignore()
             return
@@ -533,6 +636,11 @@ class MainWindow(QMainWindow):
         recent = [type_name] + [t for t in self.recent_types() if t != type_name]
         self.app_settings.setValue("search/recent", recent[:RECENT_LIMIT])
 
+    def visible_node_types(self) -> list:
+        """The node types the palette and the search offer (_for_testing ones only when asked for)."""
+        show_testing = self.testing_nodes_action.isChecked()
+        return [t for t in self.registry.types() if show_testing or not is_testing_node(t)]
+
     def open_search_at_cursor(self) -> None:
         self.scene.pending_port = None
         self.open_search(self.view.cursor_scene_pos())
@@ -541,7 +649,7 @@ class MainWindow(QMainWindow):
     def open_search(self, scene_pos: QPointF) -> NodeSearch:
         port = self.scene.pending_port
         wanted = port.type_name if port is not None else None
-        self.search = NodeSearch(self.registry.types(), self.recent_types(), self, wanted,
+        self.search = NodeSearch(self.visible_node_types(), self.recent_types(), self, wanted,
                                  needs_input=port.is_output if port is not None else True)
         self._search_pos = scene_pos
         self.search.chosen.connect(self._search_chosen)
@@ -573,6 +681,85 @@ class MainWindow(QMainWindow):
 
     def show_shortcuts(self) -> None:
         ShortcutsDialog(self).exec()
+
+    @Slot(bool)
+    def _slow_dock_timers(self, busy: bool) -> None:
+        """While a job runs, timers in the docks that redraw more often than every RUN_REDRAW_MS (the memory
+        panel's) slow to it: on a small machine the GUI thread's painting is taken from the engine's compute
+        (app/worker.py), and a panel redraw costs tens of milliseconds. Their intervals come back after."""
+        for timer, interval in self._slowed_timers:
+            if shiboken6.isValid(timer):
+                timer.setInterval(interval)
+        self._slowed_timers = []
+        if busy:
+            for dock in self._docks:
+                for timer in dock.findChildren(QTimer):
+                    if timer.isActive() and 0 < timer.interval() < RUN_REDRAW_MS:
+                        self._slowed_timers.append((timer, timer.interval()))
+                        timer.setInterval(RUN_REDRAW_MS)
+
+    @Slot(str, str, str)
+    def _node_failed(self, title: str, message: str, details: str) -> None:
+        self.failure_box = self.show_error_box(f"{title} failed", f"{title} failed:\n{message}", details)
+
+    # -- notes --
+
+    def add_note_at_cursor(self) -> str:
+        return self.scene.add_note(self.view.cursor_scene_pos())
+
+    @Slot(str)
+    def _edit_note(self, note_id: str) -> None:
+        note = next((n for n in self.scene.notes() if str(n.get("id")) == note_id), None)
+        if note is None:
+            return
+        text, ok = QInputDialog.getMultiLineText(self, "Edit note", "Text:", str(note.get("text", "")))
+        if ok:
+            self.scene.set_note_text(note_id, text)
+
+    # -- preferences --
+
+    def show_settings(self) -> SettingsDialog:
+        dialog = SettingsDialog(self.settings, self.app_settings, self)
+        dialog.accepted.connect(self._settings_changed)
+        dialog.open()
+        return dialog
+
+    @Slot()
+    def _settings_changed(self) -> None:
+        self._apply_preferences()
+        self.scene.update()  # model choices may list another folder now
+        self.show_message(f"Settings saved; models from {self.settings.models_root}")
+
+    def _apply_preferences(self) -> None:
+        self.view.left_drag_selects = left_drag_selects(self.app_settings)
+        minimap = self.app_settings.value(MINIMAP_KEY, True) not in (False, "false", "0")
+        self.minimap_action.setChecked(minimap)
+        self.view.set_minimap_visible(minimap)
+        testing = self.app_settings.value(TESTING_NODES_KEY, False) in (True, "true", "1")
+        self.testing_nodes_action.setChecked(testing)
+        if testing != self.palette.tree.show_testing:
+            self.palette.set_show_testing(testing)
+
+    @Slot(bool)
+    def set_minimap_visible(self, visible: bool) -> None:
+        self.view.set_minimap_visible(visible)
+        self.app_settings.setValue(MINIMAP_KEY, visible)
+
+    @Slot(bool)
+    def set_show_testing(self, show: bool) -> None:
+        self.palette.set_show_testing(show)
+        self.app_settings.setValue(TESTING_NODES_KEY, show)
+
+
+def json_path(path: str) -> str:
+    """`path` ending in .json: a name typed with another image or no extension gets .json instead of a second
+    extension (Save As never writes "name.png.json")."""
+    chosen = Path(path)
+    if chosen.suffix.lower() == ".json":
+        return path
+    if chosen.suffix.lower() == ".png":
+        return str(chosen.with_suffix(".json"))
+    return path + ".json"
 
 
 def install_excepthook(window: MainWindow) -> None:

@@ -22,21 +22,38 @@ from PySide6.QtWidgets import (
 )
 
 from app.canvas.view import NODE_TYPE_MIME
+from engine.graph.spec import NodeType
 from nodes.registry import NodeRegistry
+
+TESTING_CATEGORY = "_for_testing"  # ComfyUI's category of experimental nodes, hidden unless asked for
+
+
+def is_testing_node(node_type: type[NodeType]) -> bool:
+    return node_type.category.split("/")[0] == TESTING_CATEGORY
 
 
 class PaletteTree(QTreeWidget):
-    """Node types by category (nested on "/"); drag an entry to the canvas or double-click it."""
+    """Node types by category (nested on "/"); drag an entry to the canvas or double-click it. The
+    `_for_testing` category is left out unless `fill` is asked to show it."""
 
     add_requested = Signal(str)
 
     def __init__(self, registry: NodeRegistry, parent: QWidget | None = None) -> None:
         super().__init__(parent)
+        self.registry = registry
         self.setHeaderHidden(True)
         self.setDragEnabled(True)
         self.itemDoubleClicked.connect(self._double_clicked)
+        self.fill(show_testing=False)
+
+    def fill(self, show_testing: bool) -> None:
+        self.show_testing = show_testing
+        self.clear()
         folders: dict[str, QTreeWidgetItem] = {}
-        for category, node_types in registry.categories().items():
+        for category, node_types in self.registry.categories().items():
+            node_types = [t for t in node_types if show_testing or not is_testing_node(t)]
+            if not node_types:
+                continue
             parent_item = None
             path = ""
             for part in category.split("/"):
@@ -86,6 +103,10 @@ class PalettePanel(QWidget):
         self.filter.textChanged.connect(self._apply_filter)
         layout.addWidget(self.filter)
         layout.addWidget(self.tree)
+
+    def set_show_testing(self, show: bool) -> None:
+        self.tree.fill(show)
+        self._apply_filter(self.filter.text())
 
     def _apply_filter(self, text: str) -> None:
         text = text.lower()

@@ -1,8 +1,12 @@
 """Queueing and watching runs: validate and mark invalid nodes, hand workflow copies to the engine worker,
 and show what its events say (node progress and previews, overall progress, errors, output images).
 
-Seeds: after a finished run, control-after-generate is applied to the document through the undo stack
-(one "Advance seeds" step), so undo brings back the seed of a run one liked, and the title shows '*'.
+Seeds: as in ComfyUI, control-after-generate is applied to the document right after a job is queued (the job
+keeps the seeds it was queued with), through the undo stack (one "Advance seeds" step), so the next Queue runs
+new seeds, undo brings back the seed of a run one liked, and the title shows '*'.
+
+A job runs the document with the settings file's default memory settings under its own (engine/settings.py).
+A failed node is reported by `node_failed(title, message, traceback)` for the window's dialog.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtGui import QImage
 from PySide6.QtWidgets import QProgressBar
 
@@ -22,16 +26,20 @@ from app.panels import GalleryList, QueuePanel
 from app.worker import EngineWorker
 from engine.graph.executor import JobResult, advance_seeds
 from engine.graph.validate import validate
+from engine.settings import with_memory_defaults
 from engine.telemetry import Event
 from nodes.registry import NodeRegistry
 
 IMAGE_EVENTS = ("image_saved", "image_preview")
+PROGRESS_BAR_MS = 100  # the overall progress bar moves at most this often (see _set_progress)
 
 
 class RunController(QObject):
     """Lives in the GUI thread; every worker signal arrives at one of its @Slot methods."""
 
     job_done = Signal(str, str)  # job id, status: a GUI-thread relay of the worker's job_finished
+    node_failed = Signal(str, str, str)  # node title, "ExceptionType: message", traceback
+    busy_changed = Signal(bool)  # a job started while none ran (True); the last job ended (False)
 
     def __init__(self, scene: WorkflowScene, registry: NodeRegistry, settings: Any, queue_panel: QueuePanel,
                  gallery: GalleryList, inspector: Inspector, progress_bar: QProgressBar,
@@ -39,6 +47,7 @@ class RunController(QObject):
         super().__init__(parent)
         self.scene = scene
         self.registry = registry
+        self.settings = settings
         self.queue_panel = queue_panel
         self.gallery = gallery
         self.inspector = inspector
@@ -50,8 +59,12 @@ class RunController(QObject):
         self._node_count = 0
         self._done = 0
         self._job_number = 0
+        self._busy = False  # what busy_changed last said
+        self._progress_value = 0
+        self._progress_timer = QTimer(self, singleShot=True, interval=PROGRESS_BAR_MS)
+        self._progress_timer.timeout.connect(self._show_progress)
         self.worker = EngineWorker(registry.get, settings)
-        self.worker.relay.event_received.connect(self.on_event)
+        self.worker.relay.events_ready.connect(self.on_events_ready)
         self.worker.job_started.connect(self.on_job_started)
         self.worker.job_finished.connect(self.on_job_finished)
         queue_panel.cancel_requested.connect(self.cancel)
@@ -73,11 +86,20 @@ class RunController(QObject):
             return None
         self._job_number += 1
         label = f"Job {self._job_number}"
-        job_id = self.worker.submit(self.scene.workflow, label)
+        job = self.scene.workflow.copy()
+        memory = with_memory_defaults(job.settings.get("memory"), self.settings)
+        if memory:
+            job.settings["memory"] = memory
+        job_id = self.worker.submit(job, label)
         self.labels[job_id] = label
         self.queue_panel.set_job(job_id, label, "pending")
         self.show_message(f"{label} queued")
+        self._advance_seeds()
         return job_id
+
+    def busy(self) -> bool:
+        """Whether a job runs or waits in the queue."""
+        return self.worker.running_job_id is not None or bool(self.worker.queue.pending())
 
     @Slot(str)
     def cancel(self, job_id: str) -> None:
@@ -101,6 +123,9 @@ class RunController(QObject):
     @Slot(str)
     def on_job_started(self, job_id: str) -> None:
         self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), "running")
+        if not self._busy:
+            self._busy = True
+            self.busy_changed.emit(True)
 
     @Slot(str, str, object)
     def on_job_finished(self, job_id: str, status: str, result: JobResult) -> None:
@@ -113,11 +138,16 @@ class RunController(QObject):
                 if error.node_id in self.scene.workflow.nodes:
                     self.node_errors.setdefault(error.node_id, []).append(gui_message(error.message))
             self._show_errors()
-        if status == "finished":
-            self._advance_seeds()
         self.job_done.emit(job_id, status)
+        if self._busy and not self.worker.queue.pending():
+            self._busy = False
+            self.busy_changed.emit(False)
 
-    @Slot(object)
+    @Slot()
+    def on_events_ready(self) -> None:
+        for event in self.worker.relay.take_events():
+            self.on_event(event)
+
     def on_event(self, event: Event) -> None:
         handler = getattr(self, f"_on_{event.kind}", None)
         if handler is not None:
@@ -133,6 +163,7 @@ class RunController(QObject):
         self.node_errors = {}
         self._show_errors()
         self.progress_bar.setRange(0, 100 * self._node_count)
+        self._progress_timer.stop()
         self.progress_bar.setValue(0)
         self.progress_bar.setVisible(True)
 
@@ -153,13 +184,24 @@ class RunController(QObject):
 
     def _advance_overall(self, amount: float) -> None:
         self._done += amount
-        self.progress_bar.setValue(int(100 * self._done))
+        self._set_progress(int(100 * self._done))
+
+    def _set_progress(self, value: int) -> None:
+        """QProgressBar.setValue repaints the whole window synchronously when the bar visibly moves, so the
+        bar follows the job through a timer instead of once per event."""
+        self._progress_value = value
+        if not self._progress_timer.isActive():
+            self._progress_timer.start()
+
+    @Slot()
+    def _show_progress(self) -> None:
+        self.progress_bar.setValue(self._progress_value)
 
     def _on_progress(self, event: Event) -> None:
         value, maximum = int(event.get("value", 0)), int(event.get("max", 0) or 0)
         self.scene.set_node_running(event["node_id"], True, (value, maximum))
         if maximum > 0:
-            self.progress_bar.setValue(int(100 * (self._done + min(1.0, value / maximum))))
+            self._set_progress(int(100 * (self._done + min(1.0, value / maximum))))
 
     def _on_preview(self, event: Event) -> None:
         image = event.get("image")
@@ -182,6 +224,7 @@ class RunController(QObject):
         self.node_errors = {node_id: [message]}
         self._show_errors()
         self.show_message(f"{self._title(node_id)} failed: {message}")
+        self.node_failed.emit(self._title(node_id), message, str(event.get("traceback") or ""))
 
     def _on_job_interrupted(self, event: Event) -> None:
         self.show_message("Interrupted")
@@ -203,7 +246,7 @@ class RunController(QObject):
         self.inspector.set_messages(self.node_errors)
 
     def _advance_seeds(self) -> None:
-        """Control after generate, applied to the document as one undoable step."""
+        """Control after generate (right after queueing, as ComfyUI), applied to the document as one step."""
         changes = advance_seeds(self.scene.workflow.copy(), self.registry.get)
         if not changes:
             return

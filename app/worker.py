@@ -1,9 +1,18 @@
 """The engine thread: one long-lived QThread owning the Executor and draining a queue of jobs (workflow
-copies). Bus events reach the GUI through EventRelay, a QObject of the GUI thread whose signal, emitted on
-the worker thread, is delivered queued to @Slot methods of GUI objects."""
+copies). Bus events reach the GUI through EventRelay, a QObject of the GUI thread whose signal, emitted on the
+worker thread, is delivered queued to @Slot methods of GUI objects.
+
+The GUI thread must stay cheap while a job runs: the engine releases the GIL around every torch operation and
+waits for it again afterwards, so each moment the GUI thread spends in Python can stall the engine by up to
+the interpreter's switch interval, once per operation (the convoy effect: 5 ms by default, against operations
+of tens of microseconds). The worker therefore shortens the switch interval (ENGINE_SWITCH_INTERVAL), and the
+relay hands the GUI only the events it shows, in batches: one queued signal per batch however fast events
+come, with progress and previews reduced to the latest of each node.
+"""
 
 from __future__ import annotations
 
+import sys
 import threading
 import traceback
 import uuid
@@ -16,6 +25,12 @@ from app.images import to_qimage
 from engine import telemetry
 from engine.graph.document import Workflow
 from engine.graph.executor import Executor, JobResult, Lookup
+
+ENGINE_SWITCH_INTERVAL = 0.0002  # seconds; Python's default 0.005 lets a busy GUI thread stall the engine
+GUI_EVENTS = frozenset({  # what the window shows of a job; the memory panel reads the bus itself
+    "job_started", "node_started", "node_cached", "node_finished", "progress", "preview", "image_saved",
+    "image_preview", "node_failed", "job_interrupted", "job_error", "job_finished"})
+LATEST_ONLY = ("progress", "preview")  # a batch keeps only the newest of these per node
 
 
 @dataclass
@@ -62,33 +77,57 @@ class JobQueue:
 
 
 class EventRelay(QObject):
-    """Subscribed to the bus; forwards the events of its worker's jobs as `event_received(Event)`.
+    """Subscribed to the bus; collects the GUI_EVENTS of its worker's jobs and announces them with
+    `events_ready()`, once until the GUI has taken them (`take_events`), so a burst of events costs the GUI
+    thread one slot call. Of progress and previews only the newest per node is kept.
 
     Preview images are converted to QImages on the worker thread, so the GUI only draws them.
     """
 
-    event_received = Signal(object)
+    events_ready = Signal()
 
     def __init__(self, bus: telemetry.EventBus, parent: QObject | None = None) -> None:
         super().__init__(parent)
         self.current_job_id: str | None = None
+        self._lock = threading.Lock()
+        self._pending: list[telemetry.Event] = []
+        self._announced = False
         self._unsubscribe = bus.subscribe(self._on_event)
 
     def close(self) -> None:
         self._unsubscribe()
 
+    def take_events(self) -> list[telemetry.Event]:
+        """The events collected since the last call, in order (GUI thread)."""
+        with self._lock:
+            events, self._pending, self._announced = self._pending, [], False
+        return events
+
     def _on_event(self, event: telemetry.Event) -> None:
         job_id = event.get("job_id")
         current = self.current_job_id
-        if current is None or (job_id is not None and job_id != current):
-            return  # another window's job, or an event outside any job
+        if current is None or (job_id is not None and job_id != current) or event.kind not in GUI_EVENTS:
+            return  # another window's job, an event outside any job, or one the window does not show
         if event.kind == "preview" and event.get("image") is not None:
             try:
                 image = to_qimage(event.get("image"))
             except (ValueError, TypeError):
                 return
             event = telemetry.Event(event.kind, event.time, {**event.fields, "image": image})
-        self.event_received.emit(event)
+        with self._lock:
+            self._add(event)
+            announce, self._announced = not self._announced, True
+        if announce:
+            self.events_ready.emit()
+
+    def _add(self, event: telemetry.Event) -> None:
+        if event.kind in LATEST_ONLY:
+            node_id = event.get("node_id")
+            for index, pending in enumerate(self._pending):
+                if pending.kind == event.kind and pending.get("node_id") == node_id:
+                    self._pending[index] = event
+                    return
+        self._pending.append(event)
 
 
 class EngineWorker(QThread):
@@ -133,6 +172,7 @@ class EngineWorker(QThread):
         self.relay.close()
 
     def run(self) -> None:
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL)  # process-wide: see the module's docstring
         while (job := self.queue.take()) is not None:
             self.running_job_id = job.job_id
             self.relay.current_job_id = job.job_id

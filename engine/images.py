@@ -1,14 +1,17 @@
 """Images in and out: PIL <-> ComfyUI IMAGE tensors, PNGs that carry their workflow, masks from alpha.
 
-IMAGE is [B, H, W, 3] float32 in 0..1; MASK is [B, H, W] with 1 where ComfyUI masks (1 - alpha). A saved
-PNG holds two text chunks, as ComfyUI's: "workflow" (the Sluice workflow JSON, which Workflow.loads reads
-back) and "prompt" (the API-format graph: node id -> {"class_type", "inputs"}, links as [node id, output]).
+IMAGE is [B, H, W, 3] float32 in 0..1; MASK is [B, H, W] with 1 where ComfyUI masks (1 - alpha). A saved PNG
+holds three text chunks: ComfyUI's two, "workflow" (the UI-format workflow ComfyUI's Load and drag-and-drop
+read) and "prompt" (the API-format prompt), both written by engine/graph/comfy_export.py, and Sluice's own
+document under "sluice-workflow" (which engine/graph/interchange.py reads first). PNGs of earlier Sluice
+versions hold the Sluice document under "workflow"; interchange tells the two apart by its "format" field.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, ImageSequence, PngImagePlugin, UnidentifiedImageError
 
+SLUICE_CHUNK = "sluice-workflow"
 WORKFLOW_CHUNK = "workflow"
 PROMPT_CHUNK = "prompt"
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -69,24 +73,17 @@ def load_image(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor
     return torch.cat(images), torch.cat(masks)
 
 
-def api_prompt(workflow: Any) -> dict[str, Any]:
-    """The workflow as ComfyUI's API format: {node id: {"class_type", "inputs"}} (muted nodes left out)."""
-    prompt: dict[str, Any] = {}
-    for node_id, node in workflow.nodes.items():
-        if node.mode == "muted":
-            continue
-        inputs: dict[str, Any] = dict(node.widgets)
-        for name, link in workflow.links_into(node_id).items():
-            inputs[name] = [link.source, link.output]
-        prompt[node_id] = {"class_type": node.type, "inputs": inputs}
-    return prompt
-
-
-def workflow_chunks(workflow: Any) -> dict[str, str]:
-    """The PNG text chunks that embed `workflow` (empty when there is none)."""
+def workflow_chunks(workflow: Any, lookup: Callable[[str], Any] | None = None) -> dict[str, str]:
+    """The text chunks that embed `workflow` (empty when there is none): Sluice's document and ComfyUI's UI
+    workflow and API prompt; `lookup` (the node registry's) gives ComfyUI's widget order and defaults."""
     if workflow is None:
         return {}
-    return {WORKFLOW_CHUNK: workflow.dumps(), PROMPT_CHUNK: json.dumps(api_prompt(workflow), default=str)}
+    from engine.graph.comfy_export import to_api_prompt, to_comfy_ui
+
+    known = lookup or (lambda type_name: None)
+    return {SLUICE_CHUNK: workflow.dumps(),
+            WORKFLOW_CHUNK: json.dumps(to_comfy_ui(workflow, known), default=str),
+            PROMPT_CHUNK: json.dumps(to_api_prompt(workflow, known), default=str)}
 
 
 def save_png(image: torch.Tensor, path: str | os.PathLike[str], text: dict[str, str] | None = None,

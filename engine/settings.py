@@ -5,6 +5,10 @@ Each path is resolved in this order: command-line flag > environment (`SLUICE_MO
 default (`./models`, `./output`, no plugins). The models folder has ComfyUI's layout, so an existing
 ComfyUI models folder works as it is. The cache of measured probes and stage profiles
 (engine/memory/profile_cache.py) is at `cache_dir()`.
+
+The settings file may also hold default memory settings, `"memory": {"max_vram": "6", "params_backend": "cpu",
+...}` (the keys of a workflow's settings["memory"], engine/placement.py's MemorySettings): they apply below a
+workflow's own settings and the command-line flags (`with_memory_defaults`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
 MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
 
 PATH_KEYS = ("models_root", "output_dir", "plugins_dir")
+MEMORY_KEY = "memory"  # the settings file's default memory settings
 ENV_VARS = {"models_root": "SLUICE_MODELS", "output_dir": "SLUICE_OUTPUT", "plugins_dir": "SLUICE_PLUGINS"}
 DEFAULTS: dict[str, str | None] = {"models_root": "models", "output_dir": "output", "plugins_dir": None}
 CACHE_ENV = "SLUICE_CACHE"
@@ -72,6 +77,10 @@ class Settings:
     plugins_dir: Path | None  # user node plugins; None = no plugins
     extra: dict[str, Any] = field(default_factory=dict)  # other keys of the settings file, kept on save
     embedded_models: bool = True  # also search resources/models (the embedded model) after models_root
+
+    def memory_defaults(self) -> dict[str, Any]:
+        """The settings file's default memory settings (empty when it has none)."""
+        return dict(self.extra.get(MEMORY_KEY) or {})
 
     def model_dirs(self, kind: str) -> list[Path]:
         """The folders searched for models of `kind`, in search order (they may not exist)."""
@@ -196,7 +205,19 @@ def _read_settings_file(path: Path) -> dict[str, Any]:
         if data.get(key) is not None and not isinstance(data[key], str):
             raise SettingsError(f"settings file {path}: {key} must be a path string or null, "
                                 f"got {data[key]!r}")
+    memory = data.get(MEMORY_KEY)
+    if memory is not None and (not isinstance(memory, dict) or not all(
+            isinstance(value, (str, bool)) for value in memory.values())):
+        raise SettingsError(f"settings file {path}: {MEMORY_KEY} must be an object of memory settings "
+                            f"such as {{\"max_vram\": \"6\", \"params_backend\": \"cpu\"}}, got {memory!r}")
     return data
+
+
+def with_memory_defaults(workflow_memory: Mapping[str, Any] | None,
+                         settings: Settings | None) -> dict[str, Any]:
+    """A workflow's settings["memory"] over the settings file's defaults: what a run of it uses."""
+    defaults = settings.memory_defaults() if settings is not None else {}
+    return {**defaults, **(workflow_memory or {})}
 
 
 def cache_dir(env: Mapping[str, str] = os.environ, settings_file: str | Path | None = None) -> Path | None:

@@ -22,7 +22,6 @@ from engine.graph.spec import (
     Output,
     RunContext,
     bool_input,
-    combo_input,
     float_input,
     int_input,
     link_input,
@@ -36,13 +35,13 @@ from engine.sampling.registry import SamplerChoice, uses_random_inpaint_noise
 from engine.sampling.sample import ksampler_sigmas, sample_sigmas
 from nodes.sampling import (
     MAX_STEPS,
-    SAMPLER_NAMES,
-    SCHEDULER_NAMES,
     inpaint_channels,
     latent_output,
     model_samples,
     model_space,
     noise_mask_of,
+    sampler_input,
+    scheduler_input,
     step_reporter,
     with_inpaint_channels,
 )
@@ -163,7 +162,7 @@ class DisableNoise(NodeType):
 class KSamplerSelect(NodeType):
     category = "sampling/samplers"
     description = "Picks a sampler by name, any the KSampler accepts."
-    inputs = (combo_input("sampler_name", SAMPLER_NAMES, "euler"),)
+    inputs = (sampler_input(),)
     outputs = (Output("SAMPLER", "SAMPLER"),)
 
     def run(self, ctx: RunContext, sampler_name: str) -> tuple:
@@ -175,7 +174,7 @@ class BasicScheduler(NodeType):
     description = ("The model's sigmas for `steps` steps of a named scheduler; denoise < 1 keeps the last "
                    "steps of int(steps / denoise), as the KSampler does.")
     inputs = (link_input("model", "MODEL"),
-              combo_input("scheduler", SCHEDULER_NAMES, "normal"),
+              scheduler_input(),
               int_input("steps", 20, min=1, max=MAX_STEPS),
               float_input("denoise", 1.0, min=0.0, max=1.0, step=0.01))
     outputs = (Output("SIGMAS", "SIGMAS"),)

@@ -1,7 +1,8 @@
 """Image nodes with ComfyUI's names and input order: LoadImage, SaveImage, PreviewImage.
 
-Saved PNGs carry the workflow ("workflow" chunk, Sluice JSON) and the API-format graph ("prompt" chunk);
-SaveImage publishes `image_saved(node_id, path)` and PreviewImage `image_preview(node_id, path)` on the bus.
+Saved PNGs carry the workflow three ways (engine/images.py): Sluice's document ("sluice-workflow") and
+ComfyUI's UI workflow ("workflow") and API prompt ("prompt"), so ComfyUI opens them too; SaveImage publishes
+`image_saved(node_id, path)` and PreviewImage `image_preview(node_id, path)` on the bus.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class LoadImage(NodeType):
 
 def _save_all(ctx: RunContext, images: torch.Tensor, settings: Settings, prefix: str, event: str,
               compress_level: int) -> list[Path]:
-    chunks = workflow_chunks(ctx.workflow)
+    chunks = workflow_chunks(ctx.workflow, ctx.lookup)
     paths = []
     for image in _check_images(images):
         ctx.check_interrupt()

@@ -201,7 +201,7 @@ class SaveLatent(NodeType):
     def run(self, ctx: RunContext, samples: Any, filename_prefix: str) -> tuple:
         latents = latent_samples(samples).detach().cpu().contiguous()
         path = current_settings(ctx.settings).output_path(filename_prefix, LATENT_EXTENSION)
-        metadata = workflow_chunks(ctx.workflow) or None
+        metadata = workflow_chunks(ctx.workflow, ctx.lookup) or None
         safetensors.torch.save_file({LATENT_KEY: latents, VERSION_KEY: torch.tensor([])}, str(path),
                                     metadata=metadata)
         return ()

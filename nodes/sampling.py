@@ -8,17 +8,24 @@ helpers for those parts are shared with the custom-sampling nodes (nodes/custom_
 Inpainting as ComfyUI: the LATENT's "noise_mask" keeps the latent where it is 0 (engine/sampling/inpaint.py),
 and an inpainting UNet (9 input channels) gets the mask and the masked image's latent as extra channels, from
 InpaintModelConditioning's conditioning or else from the noise mask and the latent itself.
+
+Sampler and scheduler lists show each one once: ComfyUI's names in ComfyUI's order, then Sluice's own
+(stable-diffusion.cpp's) that ComfyUI lacks. Every other spelling the engine knows (sd.cpp's `dpm++2m`,
+`euler_a`, `discrete`, ...) is still accepted in files and on the command line, just not listed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.graph.spec import (
+    COMBO,
+    Input,
     NodeType,
     Output,
     RunContext,
@@ -33,14 +40,75 @@ from engine.models.unet import UNetModel
 from engine.previews import make_previewer
 from engine.sampling.guidance import Conditioning
 from engine.sampling.inpaint import INPAINT_CONCAT_CHANNELS, inpaint_concat, latent_noise_mask
-from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS
+from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS, canonical_sampler_name
 from engine.sampling.sample import sample
 from engine.sampling.schedulers import SCHEDULERS
 from nodes.latent import latent_samples
 
-SAMPLER_NAMES = tuple(SAMPLERS) + tuple(name for name in SAMPLER_ALIASES if name not in SAMPLERS)
-SCHEDULER_NAMES = tuple(SCHEDULERS)
+# ComfyUI's KSampler lists (comfy/samplers.py), in its order; the names Sluice lacks are left out of ours.
+COMFY_SAMPLERS = (
+    "euler", "euler_cfg_pp", "euler_ancestral", "euler_ancestral_cfg_pp", "heun", "heunpp2", "dpm_2",
+    "dpm_2_ancestral", "lms", "dpm_fast", "dpm_adaptive", "dpmpp_2s_ancestral", "dpmpp_2s_ancestral_cfg_pp",
+    "dpmpp_sde", "dpmpp_sde_gpu", "dpmpp_2m", "dpmpp_2m_cfg_pp", "dpmpp_2m_sde", "dpmpp_2m_sde_gpu",
+    "dpmpp_2m_sde_heun", "dpmpp_2m_sde_heun_gpu", "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm",
+    "ipndm_v", "deis", "res_multistep", "res_multistep_cfg_pp", "res_multistep_ancestral",
+    "res_multistep_ancestral_cfg_pp", "gradient_estimation", "gradient_estimation_cfg_pp", "er_sde",
+    "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2")
+COMFY_SCHEDULERS = ("normal", "karras", "exponential", "sgm_uniform", "simple", "ddim_uniform", "beta",
+                    "linear_quadratic", "kl_optimal")
+
+
+def listed_names(functions: Mapping[str, Callable], resolve: Callable[[str], str], comfy_names: Iterable[str],
+                 aliases: Mapping[str, str]) -> tuple[str, ...]:
+    """One name per function of `functions` (name -> function): ComfyUI's where it has one, in its order, then
+    the others under a ComfyUI-style alias where there is one, else their own name. `resolve` maps any
+    accepted spelling to a key of `functions` (ValueError for an unknown one)."""
+    listed: list[str] = []
+    seen: set[Callable] = set()
+    for name in comfy_names:
+        try:
+            function = functions[resolve(name)]
+        except (ValueError, KeyError):
+            continue  # a ComfyUI sampler Sluice does not have
+        if function not in seen:
+            seen.add(function)
+            listed.append(name)
+    for name, function in functions.items():
+        if function not in seen:
+            seen.add(function)
+            listed.append(next((alias for alias, target in aliases.items() if target == name), name))
+    return tuple(listed)
+
+
+SAMPLER_NAMES = listed_names(SAMPLERS, canonical_sampler_name, COMFY_SAMPLERS, SAMPLER_ALIASES)
+SCHEDULER_NAMES = listed_names(SCHEDULERS, str, COMFY_SCHEDULERS, {})
+ACCEPTED_SAMPLER_NAMES = tuple(SAMPLERS) + tuple(SAMPLER_ALIASES)
 MAX_STEPS = 10000
+
+
+@dataclass(frozen=True)
+class AliasedChoiceInput(Input):
+    """A COMBO that lists each choice once and also accepts the other spellings in `aliases`."""
+
+    aliases: tuple[str, ...] = ()  # accepted in files and on the command line, not listed
+
+    def check_value(self, value: Any) -> str | None:
+        if isinstance(value, str) and value in self.aliases:
+            return None
+        return super().check_value(value)
+
+
+def _aliased_combo(name: str, listed: tuple[str, ...], accepted: Iterable[str], default: str) -> Input:
+    return AliasedChoiceInput(name, COMBO, default, choices=listed,
+                              aliases=tuple(n for n in accepted if n not in listed))
+
+
+def sampler_input(name: str = "sampler_name") -> Input:
+    return _aliased_combo(name, SAMPLER_NAMES, ACCEPTED_SAMPLER_NAMES, "euler")
+
+
+def scheduler_input(name: str = "scheduler") -> Input:
+    return _aliased_combo(name, SCHEDULER_NAMES, SCHEDULERS, "normal")
 
 
 def model_samples(model: DiffusionModel, latent_image: Any) -> torch.Tensor:
@@ -152,8 +220,8 @@ class KSampler(NodeType):
               seed_input("seed", 0),
               int_input("steps", 20, min=1, max=MAX_STEPS),
               float_input("cfg", 8.0, min=0.0, max=100.0, step=0.1),
-              combo_input("sampler_name", SAMPLER_NAMES, "euler"),
-              combo_input("scheduler", SCHEDULER_NAMES, "normal"),
+              sampler_input(),
+              scheduler_input(),
               link_input("positive", "CONDITIONING"),
               link_input("negative", "CONDITIONING"),
               link_input("latent_image", "LATENT"),
@@ -176,8 +244,8 @@ class KSamplerAdvanced(NodeType):
               seed_input("noise_seed", 0),
               int_input("steps", 20, min=1, max=MAX_STEPS),
               float_input("cfg", 8.0, min=0.0, max=100.0, step=0.1),
-              combo_input("sampler_name", SAMPLER_NAMES, "euler"),
-              combo_input("scheduler", SCHEDULER_NAMES, "normal"),
+              sampler_input(),
+              scheduler_input(),
               link_input("positive", "CONDITIONING"),
               link_input("negative", "CONDITIONING"),
               link_input("latent_image", "LATENT"),

@@ -178,3 +178,20 @@ class SetGroupFieldCommand(QUndoCommand):
 
     def undo(self) -> None:
         self.scene.set_group_field(self.group_id, self.field, copy.deepcopy(self.old))
+
+
+class SetNotesCommand(QUndoCommand):
+    """The document's notes (`meta["notes"]`, the Note nodes of ComfyUI files) replaced as a whole: added,
+    moved, edited or deleted notes."""
+
+    def __init__(self, scene: WorkflowScene, notes: list[dict[str, Any]], text: str) -> None:
+        super().__init__(text)
+        self.scene = scene
+        self.old = copy.deepcopy(scene.notes())
+        self.new = copy.deepcopy(notes)
+
+    def redo(self) -> None:
+        self.scene.set_notes(copy.deepcopy(self.new))
+
+    def undo(self) -> None:
+        self.scene.set_notes(copy.deepcopy(self.old))

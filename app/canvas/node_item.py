@@ -11,7 +11,7 @@ from PySide6.QtWidgets import QGraphicsItem, QGraphicsSceneHoverEvent, QGraphics
 
 from app import theme
 from app.canvas.port_item import PortItem
-from app.canvas.widgets_paint import paint_widget_row, stepped, widget_zone
+from app.canvas.widgets_paint import NODE_TEXT_POINTS, paint_widget_row, stepped, widget_zone
 from app.device_badges import Badge, node_badge
 from engine.graph.document import NodeDoc
 from engine.graph.spec import ANY, BOOLEAN, STRING, NodeType
@@ -261,7 +261,7 @@ class NodeItem(QGraphicsItem):
 
     def _paint_slots(self, painter: QPainter) -> None:
         font = QFont(painter.font())
-        font.setPointSizeF(8.5)
+        font.setPointSizeF(NODE_TEXT_POINTS)
         font.setBold(False)
         painter.setFont(font)
         painter.setPen(theme.TEXT)

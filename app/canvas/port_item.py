@@ -1,4 +1,5 @@
-"""A node's connection point: a small coloured circle for one input or output, coloured by its data type."""
+"""A node's connection point: a small coloured circle for one input or output, coloured by its data type;
+while a wire is dragged, the ports it fits light up and the others dim."""
 
 from __future__ import annotations
 
@@ -29,16 +30,22 @@ class PortItem(QGraphicsItem):
         self.label = label
         self.is_widget = is_widget  # an input that is a widget until something is linked into it
         self.connected = False
+        self.highlight: str | None = None  # while a wire is dragged: "fits" or "dim"
         self.setAcceptHoverEvents(True)
         self._hovered = False
         self.setZValue(2)
+
+    def set_highlight(self, state: str | None) -> None:
+        if state != self.highlight:
+            self.highlight = state
+            self.update()
 
     @property
     def node_id(self) -> str:
         return self.node_item.node_id
 
     def boundingRect(self) -> QRectF:
-        r = RADIUS + 4
+        r = RADIUS + 6
         return QRectF(-r, -r, 2 * r, 2 * r)
 
     def center(self) -> QPointF:
@@ -55,12 +62,24 @@ class PortItem(QGraphicsItem):
     def paint(self, painter: QPainter, option: QStyleOptionGraphicsItem,
               widget: QWidget | None = None) -> None:
         color = theme.type_color(self.type_name)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        if self.highlight == "fits":
+            glow = theme.type_color(self.type_name)
+            glow.setAlphaF(0.35)
+            painter.setPen(Qt.PenStyle.NoPen)
+            painter.setBrush(glow)
+            painter.drawEllipse(QPointF(0, 0), RADIUS + 5, RADIUS + 5)
+            painter.setPen(QPen(theme.SELECTED, 1.5))
+            painter.setBrush(color)
+            painter.drawEllipse(QPointF(0, 0), RADIUS + 1.5, RADIUS + 1.5)
+            return
+        if self.highlight == "dim":
+            painter.setOpacity(0.25)
         radius = RADIUS + (1.5 if self._hovered else 0.0)
         if self.is_widget and not self.connected:
             if not self._hovered:
                 radius = 3.0
             color.setAlphaF(0.55 if not self._hovered else 1.0)
-        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         painter.setPen(QPen(theme.NODE_BORDER, 1.2))
         if self.connected or self._hovered:
             painter.setBrush(color)

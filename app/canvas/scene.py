@@ -1,6 +1,7 @@
 """The canvas scene: a view of one Workflow document. The document is the model; every edit goes through a
 QUndoCommand (canvas/commands.py) that calls the model methods here, which change the document and the
-matching items together. Run state (progress, previews, errors) lives only on the items."""
+matching items together. Run state (progress, previews, errors) lives only on the items. Notes (the Note nodes
+of ComfyUI files) live in `workflow.meta["notes"]` and are drawn by NoteItems."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ from app.canvas.commands import (
     SetEntryCommand,
     SetGroupFieldCommand,
     SetNodeFieldCommand,
+    SetNotesCommand,
 )
 from app.canvas.group_item import GroupItem
 from app.canvas.node_item import NodeItem
+from app.canvas.note_item import NoteItem, note_id, note_pos
 from app.canvas.port_item import PortItem
 from app.canvas.wire_item import WireItem
 from engine.graph.document import Group, Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.errors import WorkflowError
-from engine.graph.spec import ANY, NodeType
+from engine.graph.spec import ANY, DEFAULT_SEED_CONTROL, SEED, NodeType
 
 Lookup = Callable[[str], type[NodeType] | None]
 GRID = 24
@@ -44,6 +47,7 @@ class WorkflowScene(QGraphicsScene):
     editor_requested = Signal(str, str, QRectF)  # node id, input name, the widget row in scene coordinates
     title_edit_requested = Signal(str)  # node id
     group_title_edit_requested = Signal(str)  # group id
+    note_edit_requested = Signal(str)  # note id
     search_requested = Signal(QPointF)  # scene position; `pending_port` says what to connect afterwards
 
     def __init__(self, lookup: Lookup, parent: Any = None) -> None:
@@ -54,6 +58,7 @@ class WorkflowScene(QGraphicsScene):
         self.node_items: dict[str, NodeItem] = {}
         self.wire_items: dict[str, WireItem] = {}
         self.group_items: dict[str, GroupItem] = {}
+        self.note_items: dict[str, NoteItem] = {}
         self.pending_port: PortItem | None = None  # a dragged wire dropped on empty canvas
         self.setSceneRect(-50000, -50000, 100000, 100000)
 
@@ -61,9 +66,10 @@ class WorkflowScene(QGraphicsScene):
 
     def load_workflow(self, workflow: Workflow) -> None:
         """Show `workflow` (the caller clears the undo stack)."""
-        for item in [*self.wire_items.values(), *self.node_items.values(), *self.group_items.values()]:
+        for item in [*self.wire_items.values(), *self.node_items.values(), *self.group_items.values(),
+                     *self.note_items.values()]:
             self.removeItem(item)
-        self.node_items, self.wire_items, self.group_items = {}, {}, {}
+        self.node_items, self.wire_items, self.group_items, self.note_items = {}, {}, {}, {}
         self.workflow = workflow
         for group in workflow.groups:
             self._add_group_item(group)
@@ -71,6 +77,7 @@ class WorkflowScene(QGraphicsScene):
             self._add_node_item(node)
         for link in workflow.links:
             self._add_wire_item(link)
+        self._add_note_items()
         self.document_changed.emit()
 
     # -- model methods (called by commands only) --
@@ -141,6 +148,22 @@ class WorkflowScene(QGraphicsScene):
         self.group_items[group_id].sync()
         self.document_changed.emit()
 
+    def set_notes(self, notes: list[dict[str, Any]]) -> None:
+        if notes:
+            self.workflow.meta["notes"] = notes
+        else:
+            self.workflow.meta.pop("notes", None)
+        for item in self.note_items.values():
+            self.removeItem(item)
+        self.note_items = {}
+        self._add_note_items()
+        self.document_changed.emit()
+
+    def notes(self) -> list[dict[str, Any]]:
+        """The document's notes: dicts with id, type ("Note" or "MarkdownNote"), title, text, pos, size."""
+        notes = self.workflow.meta.get("notes", [])
+        return [note for note in notes if isinstance(note, dict)] if isinstance(notes, list) else []
+
     # -- items --
 
     def _add_node_item(self, node: NodeDoc) -> None:
@@ -159,6 +182,12 @@ class WorkflowScene(QGraphicsScene):
         item = GroupItem(self, group)
         self.group_items[group.id] = item
         self.addItem(item)
+
+    def _add_note_items(self) -> None:
+        for note in self.notes():
+            item = NoteItem(self, note)
+            self.note_items[item.note_id] = item
+            self.addItem(item)
 
     def _refresh_unknown_ports(self, link: Link) -> None:
         """A node of an unknown type draws ports for its links, so they change with them."""
@@ -230,7 +259,10 @@ class WorkflowScene(QGraphicsScene):
         x, y = (pos.x(), pos.y()) if isinstance(pos, QPointF) else pos
         defaults = node_type.default_widget_values()
         widgets = {name: value for name, value in defaults.items() if value is not None}
-        node = NodeDoc(self.workflow.new_node_id(), type_name, pos=(round(x), round(y)), widgets=widgets)
+        controls = {spec.name: DEFAULT_SEED_CONTROL
+                    for spec in node_type.widget_inputs() if spec.kind == SEED}  # as ComfyUI's new seeds
+        node = NodeDoc(self.workflow.new_node_id(), type_name, pos=(round(x), round(y)), widgets=widgets,
+                       seed_controls=controls)
         self.push(AddItemsCommand(self, [node], text=f"Add {node_type.display_name}"))
         return node.id
 
@@ -279,8 +311,34 @@ class WorkflowScene(QGraphicsScene):
         nodes = self.selected_node_ids()
         links = [i.link_id for i in self.selectedItems() if isinstance(i, WireItem)]
         groups = [i.group_id for i in self.selectedItems() if isinstance(i, GroupItem)]
+        notes = {i.note_id for i in self.selectedItems() if isinstance(i, NoteItem)}
+        if not (nodes or links or groups or notes):
+            return
+        self.undo_stack.beginMacro("Delete")
         if nodes or links or groups:
             self.push(RemoveItemsCommand(self, nodes, links, groups))
+        if notes:
+            kept = [note for note in self.notes() if note_id(note) not in notes]
+            self.push(SetNotesCommand(self, kept, "Delete notes"))
+        self.undo_stack.endMacro()
+
+    def add_note(self, pos: QPointF | tuple[float, float], text: str = "") -> str:
+        """A new empty Note at `pos`; returns its id."""
+        x, y = (pos.x(), pos.y()) if isinstance(pos, QPointF) else pos
+        taken = {note_id(n) for n in self.notes()} | set(self.workflow.nodes)
+        number = 1
+        while f"note{number}" in taken:
+            number += 1
+        note = {"id": f"note{number}", "type": "Note", "title": "", "text": text,
+                "pos": [float(round(x)), float(round(y))]}
+        self.push(SetNotesCommand(self, [*self.notes(), note], "Add note"))
+        return note["id"]
+
+    def set_note_text(self, wanted: str, text: str) -> None:
+        notes = self.notes()
+        if any(note_id(n) == wanted and n.get("text") != text for n in notes):
+            edited = [{**note, "text": text} if note_id(note) == wanted else note for note in notes]
+            self.push(SetNotesCommand(self, edited, "Edit note"))
 
     def set_widget(self, node_id: str, name: str, value: Any) -> None:
         if self.workflow.nodes[node_id].widgets.get(name, MISSING) != value:
@@ -344,7 +402,7 @@ class WorkflowScene(QGraphicsScene):
         self.push(SetGroupFieldCommand(self, group_id, "title", title, "Rename group"))
 
     def commit_moves(self) -> None:
-        """One MoveCommand for every node and group whose item left its document position."""
+        """One undo step for every node, group and note whose item left its document position."""
         node_moves = {}
         for node_id, item in self.node_items.items():
             old = self.workflow.nodes[node_id].pos
@@ -352,13 +410,29 @@ class WorkflowScene(QGraphicsScene):
             if (abs(new[0] - old[0]) > 0.01) or (abs(new[1] - old[1]) > 0.01):
                 node_moves[node_id] = (tuple(old), new)
         group_moves = {}
+        note_moves: list[dict[str, Any]] = []
         for group_id, item in self.group_items.items():
             old = self.group_by_id(group_id).rect
             new = (round(item.pos().x(), 2), round(item.pos().y(), 2), old[2], old[3])
             if abs(new[0] - old[0]) > 0.01 or abs(new[1] - old[1]) > 0.01:
                 group_moves[group_id] = (tuple(old), new)
+        moved_notes = []
+        for note in self.notes():
+            item = self.note_items.get(note_id(note))
+            new = [round(item.pos().x(), 2), round(item.pos().y(), 2)] if item is not None else None
+            old = note_pos(note)
+            if new is not None and (abs(new[0] - old[0]) > 0.01 or abs(new[1] - old[1]) > 0.01):
+                note = {**note, "pos": new}
+                moved_notes.append(note_id(note))
+            note_moves.append(note)
+        if not (node_moves or group_moves or moved_notes):
+            return
+        self.undo_stack.beginMacro("Move")
         if node_moves or group_moves:
             self.push(MoveCommand(self, node_moves, group_moves))
+        if moved_notes:
+            self.push(SetNotesCommand(self, note_moves, "Move notes"))
+        self.undo_stack.endMacro()
 
     # -- requests the view or window answers --
 
@@ -370,6 +444,9 @@ class WorkflowScene(QGraphicsScene):
 
     def request_group_title_edit(self, group_id: str) -> None:
         self.group_title_edit_requested.emit(group_id)
+
+    def request_note_edit(self, wanted: str) -> None:
+        self.note_edit_requested.emit(wanted)
 
     # -- run state (not part of the document) --
 

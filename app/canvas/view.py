@@ -1,11 +1,13 @@
-"""The canvas view: zoom around the cursor, pan (middle drag or space + drag), rubber-band selection,
-wires dragged between ports, the widget editor popup, drops of files and palette entries, a minimap."""
+"""The canvas view: zoom around the cursor, pan and select as ComfyUI (left-drag on empty canvas pans,
+Ctrl+drag draws a selection box; `left_drag_selects` swaps the two; middle drag and space + drag always pan),
+wires dragged between ports with the ports that fit lit up, the widget editor popup, drops of files and
+palette entries, a minimap that can be hidden."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal, Slot
+from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QDragEnterEvent, QDropEvent, QKeyEvent, QMouseEvent, QPainter, QWheelEvent
 from PySide6.QtWidgets import QGraphicsView, QMenu
 
@@ -14,11 +16,15 @@ from app.canvas.minimap import Minimap
 from app.canvas.node_item import NodeItem
 from app.canvas.port_item import PortItem
 from app.canvas.scene import WorkflowScene, types_compatible
-from app.canvas.widgets_paint import ValueEditor
+from app.canvas.widgets_paint import NODE_TEXT_POINTS, ValueEditor
 from app.canvas.wire_item import DragWire
+from engine.graph.spec import COMBO
 
 NODE_TYPE_MIME = "application/x-sluice-node-type"
 MIN_ZOOM, MAX_ZOOM = 0.1, 4.0
+READABLE_TEXT_PIXELS = 9.0  # the first fit of a document never shrinks node text below this height
+FIT_MARGIN = 60.0  # scene units around the content when fitting
+MINIMAP_REFRESH_MS = 200  # the minimap follows scene changes at most this often (a run changes it constantly)
 
 
 class CanvasView(QGraphicsView):
@@ -31,18 +37,22 @@ class CanvasView(QGraphicsView):
         self.setRenderHints(QPainter.RenderHint.Antialiasing | QPainter.RenderHint.TextAntialiasing
                             | QPainter.RenderHint.SmoothPixmapTransform)
         self.setViewportUpdateMode(QGraphicsView.ViewportUpdateMode.BoundingRectViewportUpdate)
+        self.setCacheMode(QGraphicsView.CacheModeFlag.CacheBackground)  # the grid is drawn once per view
         self.setTransformationAnchor(QGraphicsView.ViewportAnchor.NoAnchor)
-        self.setDragMode(QGraphicsView.DragMode.RubberBandDrag)
+        self.setRubberBandSelectionMode(Qt.ItemSelectionMode.IntersectsItemShape)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.setAcceptDrops(True)
         self.setFocusPolicy(Qt.FocusPolicy.StrongFocus)
         self._pan_start: QPoint | None = None
         self._space_down = False
+        self.left_drag_selects = False  # the other way round: left-drag selects, Ctrl+drag pans
         self._drag_port: PortItem | None = None
         self._drag_wire: DragWire | None = None
         self.active_editor: ValueEditor | None = None
         self.minimap = Minimap(self)
+        self._minimap_timer = QTimer(self, singleShot=True, interval=MINIMAP_REFRESH_MS)
+        self._minimap_timer.timeout.connect(self.minimap.update)
         scene.changed.connect(self._scene_changed)
         scene.editor_requested.connect(self.open_editor)
 
@@ -64,19 +74,44 @@ class CanvasView(QGraphicsView):
         self.minimap.update()
         event.accept()
 
-    def fit_to_content(self) -> None:
-        items = [*self.workflow_scene.node_items.values(), *self.workflow_scene.group_items.values()]
+    def readable_zoom(self) -> float:
+        """The zoom at which node text (NODE_TEXT_POINTS) is READABLE_TEXT_PIXELS high on this screen."""
+        text_pixels = NODE_TEXT_POINTS * self.logicalDpiY() / 72.0
+        return min(MAX_ZOOM, READABLE_TEXT_PIXELS / text_pixels)
+
+    def content_rect(self) -> QRectF | None:
+        scene = self.workflow_scene
+        items = [*scene.node_items.values(), *scene.group_items.values(), *scene.note_items.values()]
         if not items:
-            self.resetTransform()
-            self.centerOn(0, 0)
-            return
+            return None
         bounds = items[0].sceneBoundingRect()
         for item in items[1:]:
             bounds = bounds.united(item.sceneBoundingRect())
-        self.fitInView(bounds.adjusted(-60, -60, 60, 60), Qt.AspectRatioMode.KeepAspectRatio)
+        return bounds
+
+    def fit_to_content(self, keep_readable: bool = False) -> None:
+        """Show every node (at most 1.2x zoom). `keep_readable` (a document's first fit) never zooms out below
+        readable_zoom: a graph too large for the window then shows its top-left part, the minimap the rest."""
+        bounds = self.content_rect()
+        if bounds is None:
+            self.resetTransform()
+            self.centerOn(0, 0)
+            return
+        self.fitInView(bounds.adjusted(-FIT_MARGIN, -FIT_MARGIN, FIT_MARGIN, FIT_MARGIN),
+                       Qt.AspectRatioMode.KeepAspectRatio)
         if self.zoom() > 1.2:
             factor = 1.2 / self.zoom()
             self.scale(factor, factor)
+            self.centerOn(bounds.center())
+        floor = self.readable_zoom()
+        if keep_readable and self.zoom() < floor:
+            factor = floor / self.zoom()
+            self.scale(factor, factor)
+            visible = self.mapToScene(self.viewport().rect()).boundingRect()
+            left = bounds.left() - FIT_MARGIN / 2
+            top = bounds.top() - FIT_MARGIN / 2 if bounds.height() + FIT_MARGIN > visible.height() \
+                else bounds.center().y() - visible.height() / 2
+            self.centerOn(left + visible.width() / 2, top + visible.height() / 2)
         self.minimap.update()
 
     def cursor_scene_pos(self) -> QPointF:
@@ -90,17 +125,27 @@ class CanvasView(QGraphicsView):
     def mousePressEvent(self, event: QMouseEvent) -> None:
         if event.button() == Qt.MouseButton.MiddleButton or (
                 event.button() == Qt.MouseButton.LeftButton and self._space_down):
-            self._pan_start = event.position().toPoint()
-            self.viewport().setCursor(Qt.CursorShape.ClosedHandCursor)
+            self._start_pan(event.position().toPoint())
             event.accept()
             return
-        if event.button() == Qt.MouseButton.LeftButton:
-            port = self._port_at(event.position().toPoint())
-            if port is not None:
-                self._start_wire(port)
-                event.accept()
-                return
-        super().mousePressEvent(event)
+        if event.button() != Qt.MouseButton.LeftButton:
+            super().mousePressEvent(event)
+            return
+        port = self._port_at(event.position().toPoint())
+        if port is not None:
+            self._start_wire(port)
+            event.accept()
+            return
+        control = bool(event.modifiers() & Qt.KeyboardModifier.ControlModifier)
+        selects = control != self.left_drag_selects
+        self.setDragMode(QGraphicsView.DragMode.RubberBandDrag if selects else QGraphicsView.DragMode.NoDrag)
+        super().mousePressEvent(event)  # an item under the cursor takes the press (and the drag) first
+        if not selects and self.workflow_scene.mouseGrabberItem() is None:
+            self._start_pan(event.position().toPoint())
+
+    def _start_pan(self, pos: QPoint) -> None:
+        self._pan_start = pos
+        self.viewport().setCursor(Qt.CursorShape.ClosedHandCursor)
 
     def mouseMoveEvent(self, event: QMouseEvent) -> None:
         if self._pan_start is not None:
@@ -126,6 +171,8 @@ class CanvasView(QGraphicsView):
         if self._pan_start is not None:
             self._pan_start = None
             self.viewport().unsetCursor()
+            if self._space_down:
+                self.viewport().setCursor(Qt.CursorShape.OpenHandCursor)
             event.accept()
             return
         if self._drag_port is not None:
@@ -160,10 +207,25 @@ class CanvasView(QGraphicsView):
         self._drag_wire = DragWire(theme.type_color(port.type_name))
         scene.addItem(self._drag_wire)
         self._drag_wire.update_path(port.center(), port.center())
+        self.light_up_ports(port)
+
+    def light_up_ports(self, dragged: PortItem | None) -> None:
+        """While a wire is dragged from `dragged`, every port it could connect to lights up and the others
+        dim; None puts every port back."""
+        for item in self.workflow_scene.node_items.values():
+            for other in [*item.inputs.values(), *item.outputs]:
+                if dragged is None or other is dragged:
+                    other.set_highlight(None)
+                    continue
+                fits = other.node_id != dragged.node_id and other.is_output != dragged.is_output and (
+                    types_compatible(dragged.type_name, other.type_name) if dragged.is_output
+                    else types_compatible(other.type_name, dragged.type_name))
+                other.set_highlight("fits" if fits else "dim")
 
     def _finish_wire(self, pos: QPoint) -> None:
         port, wire = self._drag_port, self._drag_wire
         self._drag_port, self._drag_wire = None, None
+        self.light_up_ports(None)
         if wire is not None:
             self.workflow_scene.removeItem(wire)
         assert port is not None
@@ -212,7 +274,6 @@ class CanvasView(QGraphicsView):
             return
         if event.key() == Qt.Key.Key_Space and not event.isAutoRepeat():
             self._space_down = True
-            self.setDragMode(QGraphicsView.DragMode.NoDrag)
             self.viewport().setCursor(Qt.CursorShape.OpenHandCursor)
             event.accept()
             return
@@ -221,7 +282,6 @@ class CanvasView(QGraphicsView):
     def keyReleaseEvent(self, event: QKeyEvent) -> None:
         if event.key() == Qt.Key.Key_Space and not event.isAutoRepeat():
             self._space_down = False
-            self.setDragMode(QGraphicsView.DragMode.RubberBandDrag)
             self.viewport().unsetCursor()
             event.accept()
             return
@@ -242,6 +302,8 @@ class CanvasView(QGraphicsView):
         except Exception as error:  # a choice list read from disk that cannot be listed now
             scene.status_message.emit(f"{name}: cannot list the choices: {error}")
             choices = [str(value)]
+        if spec.kind == COMBO and str(value) not in choices:  # e.g. an alias a file holds
+            choices = [str(value), *choices]
         if self.active_editor is not None:
             self.active_editor.close()
         editor = ValueEditor(spec, value, choices, self)
@@ -293,13 +355,17 @@ class CanvasView(QGraphicsView):
 
     # -- minimap --
 
+    def set_minimap_visible(self, visible: bool) -> None:
+        self.minimap.setVisible(visible)
+
     @Slot(list)
     def _scene_changed(self, regions: list) -> None:
-        self.minimap.update()
+        if self.minimap.isVisible() and not self._minimap_timer.isActive():
+            self._minimap_timer.start()
 
     def resizeEvent(self, event: Any) -> None:
         super().resizeEvent(event)
         margin = 12
-        self.minimap.setFixedSize(max(90, min(200, self.width() // 4)), max(60, min(130, self.height() // 4)))
+        self.minimap.setFixedSize(max(80, min(200, self.width() // 5)), max(54, min(130, self.height() // 5)))
         self.minimap.move(self.width() - self.minimap.width() - margin,
                           self.height() - self.minimap.height() - margin)

@@ -1,5 +1,6 @@
 """Widget values painted inside a node (text, a slider bar for bounded numbers, arrows to step) and the one
-transient editor popup that opens on click; no proxy widget lives on the canvas."""
+transient editor popup that opens on click (a combo opens as its list of choices, so one more click chooses);
+no proxy widget lives on the canvas."""
 
 from __future__ import annotations
 
@@ -7,13 +8,24 @@ from typing import Any
 
 from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QFont, QKeyEvent, QPainter, QPolygonF
-from PySide6.QtWidgets import QComboBox, QFrame, QLineEdit, QPlainTextEdit, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (
+    QFrame,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QPlainTextEdit,
+    QVBoxLayout,
+    QWidget,
+)
 
 from app import theme
 from app.gui_words import INPUT_LABELS
 from engine.graph.spec import BOOLEAN, COMBO, FLOAT, INT, SEED, SEED_MAX, STRING, Input
 
 ARROW_WIDTH = 14.0
+FILTER_FROM = 10  # a combo with at least this many choices gets a filter field above its list
+LIST_ROWS = 14  # the most rows a combo's list shows before it scrolls
+NODE_TEXT_POINTS = 8.5  # the size of slot names and widget rows on a node
 
 
 def format_value(spec: Input, value: Any) -> str:
@@ -65,7 +77,7 @@ def paint_widget_row(painter: QPainter, rect: QRectF, spec: Input, value: Any, l
     if not (spec.kind == STRING and spec.multiline and not linked):
         painter.drawRoundedRect(rect, rect.height() / 2, rect.height() / 2)
     font = QFont(painter.font())
-    font.setPointSizeF(8.5)
+    font.setPointSizeF(NODE_TEXT_POINTS)
     painter.setFont(font)
     text_rect = rect.adjusted(10, 0, -10, 0)
     if linked:
@@ -132,7 +144,8 @@ def parse_value(spec: Input, text: str) -> Any:
 
 
 class ValueEditor(QFrame):
-    """A transient popup editing one widget value; emits `committed(value)` on Enter, closes on Esc."""
+    """A transient popup editing one widget value; emits `committed(value)` on Enter (a combo: on a click on a
+    choice), closes on Esc."""
 
     committed = Signal(object)
     rejected_text = Signal(str)
@@ -144,12 +157,16 @@ class ValueEditor(QFrame):
         self._finished = False
         layout = QVBoxLayout(self)
         layout.setContentsMargins(3, 3, 3, 3)
+        self.filter: QLineEdit | None = None
         if spec.kind == COMBO:
-            self.editor: QWidget = QComboBox()
-            self.editor.addItems(choices)
-            if value in choices:
-                self.editor.setCurrentIndex(choices.index(value))
-            self.editor.activated.connect(self._commit_combo)
+            self.editor: QWidget = self._choice_list(choices, str(value))
+            if len(choices) >= FILTER_FROM:
+                self.filter = QLineEdit()
+                self.filter.setPlaceholderText("Filter...")
+                self.filter.textChanged.connect(self._filter_choices)
+                self.filter.returnPressed.connect(self.commit)
+                self.filter.installEventFilter(self)
+                layout.addWidget(self.filter)
         elif spec.kind == STRING and spec.multiline:
             self.editor = QPlainTextEdit(str(value))
             self.editor.setMinimumSize(320, 120)
@@ -160,28 +177,60 @@ class ValueEditor(QFrame):
             self.editor.returnPressed.connect(self.commit)
         layout.addWidget(self.editor)
 
+    def _choice_list(self, choices: list[str], value: str) -> QListWidget:
+        choice_list = QListWidget()
+        choice_list.addItems(choices)
+        if value in choices:
+            choice_list.setCurrentRow(choices.index(value))
+        elif choices:
+            choice_list.setCurrentRow(0)
+        rows = max(1, min(LIST_ROWS, len(choices)))
+        choice_list.setFixedHeight(rows * max(18, choice_list.sizeHintForRow(0)) + 6)
+        choice_list.itemClicked.connect(self._commit_choice)
+        choice_list.itemActivated.connect(self._commit_choice)
+        return choice_list
+
+    def _filter_choices(self, text: str) -> None:
+        assert isinstance(self.editor, QListWidget)
+        needle = text.lower()
+        first = None
+        for row in range(self.editor.count()):
+            item = self.editor.item(row)
+            item.setHidden(needle not in item.text().lower())
+            if first is None and not item.isHidden():
+                first = item
+        if first is not None and (self.editor.currentItem() is None or self.editor.currentItem().isHidden()):
+            self.editor.setCurrentItem(first)
+
     def open_at(self, global_pos: QPoint, width: int) -> None:
         self.setMinimumWidth(max(140, width))
         self.move(global_pos)
         self.show()
-        self.editor.setFocus()
+        if isinstance(self.editor, QListWidget) and self.editor.currentItem() is not None:
+            self.editor.scrollToItem(self.editor.currentItem())
+        (self.filter or self.editor).setFocus()
 
     def text(self) -> str:
         if isinstance(self.editor, QPlainTextEdit):
             return self.editor.toPlainText()
-        if isinstance(self.editor, QComboBox):
-            return self.editor.currentText()
+        if isinstance(self.editor, QListWidget):
+            current = self.editor.currentItem()
+            return current.text() if current is not None and not current.isHidden() else ""
         return self.editor.text()
 
     def set_text(self, text: str) -> None:
         if isinstance(self.editor, QPlainTextEdit):
             self.editor.setPlainText(text)
-        elif isinstance(self.editor, QComboBox):
-            self.editor.setCurrentText(text)
+        elif isinstance(self.editor, QListWidget):
+            found = self.editor.findItems(text, Qt.MatchFlag.MatchExactly)
+            if found:
+                self.editor.setCurrentItem(found[0])
         else:
             self.editor.setText(text)
 
     def commit(self) -> None:
+        if self.spec.kind == COMBO and not self.text():
+            return  # the filter hides every choice
         try:
             value = parse_value(self.spec, self.text())
         except ValueError as error:
@@ -195,7 +244,9 @@ class ValueEditor(QFrame):
         self.committed.emit(value)
         self.close()
 
-    def _commit_combo(self, index: int) -> None:
+    def _commit_choice(self, item: QListWidgetItem) -> None:
+        assert isinstance(self.editor, QListWidget)
+        self.editor.setCurrentItem(item)
         self.commit()
 
     def keyPressEvent(self, event: QKeyEvent) -> None:
@@ -212,9 +263,21 @@ class ValueEditor(QFrame):
 
     def eventFilter(self, watched: Any, event: Any) -> bool:
         if isinstance(event, QKeyEvent) and event.type() == QKeyEvent.Type.KeyPress:
+            if watched is self.filter and event.key() in (Qt.Key.Key_Up, Qt.Key.Key_Down):
+                self._step_choice(-1 if event.key() == Qt.Key.Key_Up else 1)
+                return True
             if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and (
                     event.modifiers() & Qt.KeyboardModifier.ControlModifier):
                 self.commit()
                 return True
         return super().eventFilter(watched, event)
 
+    def _step_choice(self, direction: int) -> None:
+        """Arrow keys in the filter field move through the visible choices."""
+        assert isinstance(self.editor, QListWidget)
+        row = self.editor.currentRow()
+        while 0 <= row + direction < self.editor.count():
+            row += direction
+            if not self.editor.item(row).isHidden():
+                self.editor.setCurrentRow(row)
+                return

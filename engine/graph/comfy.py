@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-import networkx as nx
-
 from engine.graph.comfy_subgraph import flatten_subgraphs, has_subgraphs, list_field
 from engine.graph.comfy_widgets import SLUICE_ONLY_WIDGETS, named_ui_values, sluice_api_inputs
 from engine.graph.document import MAX_COORDINATE, Group, Link, NodeDoc, Workflow, id_sort_key, is_coordinate
@@ -47,6 +45,7 @@ Lookup = Callable[[str], type[NodeType] | None]
 REROUTE = "Reroute"
 PRIMITIVE = "PrimitiveNode"
 NOTE_TYPES = ("Note", "MarkdownNote")
+NOTE_SIZE = (400.0, 160.0)  # ComfyUI's default size of a Note node
 UI_MODES = {0: "normal", 1: "normal", 2: "muted", 3: "normal", 4: "bypassed"}  # LiteGraph mode numbers
 LINK_FIELDS = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
 COLUMN_WIDTH, ROW_HEIGHT = 380.0, 260.0  # spacing of the automatic layout of API prompts
@@ -366,7 +365,8 @@ def _note(node: _UiNode) -> dict[str, Any]:
     values = node.widgets_values
     text = values[0] if isinstance(values, list) and values else ""
     return {"id": node.id, "type": node.type, "title": node.title,
-            "text": text if isinstance(text, str) else "", "pos": list(node.pos)}
+            "text": text if isinstance(text, str) else "", "pos": list(node.pos),
+            "size": list(node.size or NOTE_SIZE)}
 
 
 def _ui_group(raw: Any, where: str, group_id: str) -> Group:
@@ -471,6 +471,8 @@ def _api_link_type(workflow: Workflow, lookup: Lookup, source: str, output: int,
 
 def layered_positions(workflow: Workflow) -> dict[str, tuple[float, float]]:
     """A column per depth (longest path from a source; a cycle shares one column), rows in id order."""
+    import networkx as nx  # here, not at import: opening a file in the desktop app does not need it
+
     graph = nx.DiGraph()
     graph.add_nodes_from(workflow.nodes)
     graph.add_edges_from((link.source, link.target) for link in workflow.links

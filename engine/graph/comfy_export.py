@@ -5,20 +5,32 @@ prompt muted nodes are left out and bypassed nodes are resolved through as Sluic
 output passes on the first linked input of the same type); seed controls are not part of a prompt. The UI
 workflow keeps every node with its mode, lists link inputs and linked widgets (as converted widgets) in
 `inputs`, writes `widgets_values` positionally with each seed followed by its control (in ComfyUI's layout for
-the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` back into Note nodes.
+the types engine/graph/comfy_widgets.py translates), and turns `meta["notes"]` back into Note nodes. Sampler
+and scheduler values under stable-diffusion.cpp's names (`dpm++2m`, `euler_a`, `discrete`), which Sluice
+accepts and ComfyUI does not, are written under ComfyUI's names for the same sampler (`comfy_choice`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from engine.graph.comfy import Lookup
+from engine.graph.comfy import NOTE_SIZE, Lookup
 from engine.graph.comfy_widgets import comfy_api_extras, comfy_ui_values
 from engine.graph.document import Link, NodeDoc, Workflow, id_sort_key
 from engine.graph.spec import ANY, SEED, NodeType
 
+EXPORT_FORMATS = ("comfy-ui", "comfy-api")  # a UI workflow (ComfyUI's Load), an API prompt (its /prompt)
 UI_MODE_NUMBERS = {"normal": 0, "muted": 2, "bypassed": 4}
 GROUP_COLOR = "#3f789e"  # ComfyUI's default group colour
+
+
+def export_text(workflow: Workflow, lookup: Lookup, format_name: str) -> str:
+    """`workflow` as the JSON text of a ComfyUI file in one of EXPORT_FORMATS."""
+    if format_name not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {format_name!r}; accepted: {', '.join(EXPORT_FORMATS)}")
+    data = to_comfy_ui(workflow, lookup) if format_name == "comfy-ui" else to_api_prompt(workflow, lookup)
+    return json.dumps(data, indent=2) + "\n"
 
 
 def to_api_prompt(workflow: Workflow, lookup: Lookup) -> dict[str, Any]:
@@ -38,7 +50,8 @@ def to_api_prompt(workflow: Workflow, lookup: Lookup) -> dict[str, Any]:
             defaults = cls.default_widget_values()
             for spec in cls.inputs:
                 if spec.is_widget and sources.get(spec.name) is None:
-                    inputs[spec.name] = node.widgets.get(spec.name, defaults[spec.name])
+                    value = node.widgets.get(spec.name, defaults[spec.name])
+                    inputs[spec.name] = comfy_choice(spec.name, value)
             inputs.update(comfy_api_extras(node.type, inputs))
         for name, source in sources.items():
             if source is not None:
@@ -190,15 +203,32 @@ def _ui_widgets_values(workflow: Workflow, node: NodeDoc, cls: type[NodeType] | 
         return translated
     values: list[Any] = []
     for spec in cls.widget_inputs():
-        values.append(node.widgets.get(spec.name, defaults[spec.name]))
+        values.append(comfy_choice(spec.name, node.widgets.get(spec.name, defaults[spec.name])))
         if spec.kind == SEED:
             values.append(node.seed_controls.get(spec.name, "fixed"))
     return values
 
 
+def comfy_choice(name: str, value: Any) -> Any:
+    """ComfyUI's name for a sampler or scheduler value given under another name of the same one (the first of
+    its spellings in the engine's registries, which list ComfyUI's first), else `value` as it is."""
+    if name in ("sampler_name", "scheduler") and isinstance(value, str):
+        from engine.sampling.registry import SAMPLER_ALIASES, SAMPLERS
+        from engine.sampling.schedulers import SCHEDULERS
+
+        if name == "sampler_name" and value in SAMPLERS:
+            function = SAMPLERS[value]
+            return next((alias for alias, target in SAMPLER_ALIASES.items() if SAMPLERS[target] is function),
+                        value)
+        if name == "scheduler" and value in SCHEDULERS:
+            return next(key for key, function in SCHEDULERS.items() if function is SCHEDULERS[value])
+    return value
+
+
 def _note_node(note: dict[str, Any], node_id: int, order: int) -> dict[str, Any]:
     pos = note.get("pos", [0.0, 0.0])
-    entry = {"id": node_id, "type": note.get("type", "Note"), "pos": pos, "size": [400.0, 160.0], "flags": {},
+    size = note.get("size") or list(NOTE_SIZE)
+    entry = {"id": node_id, "type": note.get("type", "Note"), "pos": pos, "size": size, "flags": {},
              "order": order, "mode": 0, "inputs": [], "outputs": [], "properties": {},
              "widgets_values": [note.get("text", "")]}
     if note.get("title"):

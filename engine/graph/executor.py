@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import networkx as nx
-
 from engine import telemetry
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import Interrupted, NodeFailure, ValidationError
@@ -149,6 +147,8 @@ class Executor:
         return result
 
     def _plan(self, workflow: Workflow) -> _Plan:
+        import networkx as nx  # here, not at import: the desktop app starts without it
+
         graph = build_graph(workflow)
         classes = {node_id: self.lookup(workflow.nodes[node_id].type) for node_id in graph}
         output_nodes = [n for n in graph if classes[n].output_node and workflow.nodes[n].mode == "normal"]
@@ -216,6 +216,7 @@ class Executor:
             report_preview=lambda image: bus.publish("preview", job_id=job_id, node_id=node_id, image=image),
             settings=self.settings,
             workflow=workflow,
+            lookup=self.lookup,
         )
         bus.publish("node_started", job_id=job_id, node_id=node_id, node_type=node_type.type_name)
         started = time.perf_counter()

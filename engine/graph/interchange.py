@@ -1,8 +1,10 @@
 """Open any workflow file Sluice understands: Sluice JSON, ComfyUI UI or API JSON, or a PNG that embeds one.
 
-PNG text chunks: Sluice writes its JSON in "workflow"; ComfyUI writes its UI workflow in "workflow" and its
-API prompt in "prompt". The "workflow" chunk is preferred, since it keeps positions and groups; "prompt" is
-read when there is no usable "workflow" chunk.
+PNG text chunks: ComfyUI writes its UI workflow in "workflow" and its API prompt in "prompt"; Sluice writes
+those two and its own document in "sluice-workflow" (earlier versions wrote only their own document, in
+"workflow"). They are read in the order of PNG_CHUNKS: Sluice's document when there is one (it keeps
+everything), then "workflow" (positions and groups), then "prompt"; a chunk that cannot be read gives a
+warning and the next one is tried.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from engine.graph.errors import WorkflowError
 from engine.jsonfile import JsonInputError, load_json
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+PNG_CHUNKS = ("sluice-workflow", "workflow", "prompt")  # text chunks that hold a workflow, in reading order
 
 
 def load_any(source: str | os.PathLike[str] | bytes, lookup: Lookup) -> tuple[Workflow, list[str]]:
@@ -69,7 +72,8 @@ def from_data(data: Any, lookup: Lookup) -> tuple[Workflow, list[str]]:
 
 
 def from_png(content: bytes, lookup: Lookup, source: str = "<png>") -> tuple[Workflow, list[str]]:
-    """The workflow embedded in a PNG's "workflow" (Sluice or ComfyUI UI) or "prompt" (ComfyUI API) chunk."""
+    """The workflow embedded in a PNG's "sluice-workflow", "workflow" (ComfyUI UI, or Sluice in older files)
+    or "prompt" (ComfyUI API) chunk."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -78,17 +82,16 @@ def from_png(content: bytes, lookup: Lookup, source: str = "<png>") -> tuple[Wor
     except (OSError, UnidentifiedImageError, SyntaxError) as error:
         raise WorkflowError(f"{source}: cannot read the PNG: {error}") from None
     warnings: list[str] = []
-    for key in ("workflow", "prompt"):
-        if key not in chunks:
-            continue
+    present = [key for key in PNG_CHUNKS if key in chunks]
+    for index, key in enumerate(present):
         try:
             workflow, found = from_json_text(chunks[key], lookup, f"{source} (text chunk {key!r})")
         except WorkflowError as error:
-            if key == "prompt" or "prompt" not in chunks:
+            if index == len(present) - 1:
                 raise
-            warnings.append(f"{error}; read the \"prompt\" chunk instead")
+            warnings.append(f"{error}; read the {present[index + 1]!r} chunk instead")
             continue
         return workflow, warnings + found
     shown = ", ".join(repr(key) for key in chunks) or "none"
-    raise WorkflowError(f"{source}: the PNG holds no workflow; expected a \"workflow\" or \"prompt\" text "
-                        f"chunk, found: {shown}")
+    raise WorkflowError(f"{source}: the PNG holds no workflow; expected a "
+                        f"{', '.join(repr(key) for key in PNG_CHUNKS)} text chunk, found: {shown}")

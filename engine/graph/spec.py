@@ -27,6 +27,7 @@ ANY = "*"
 
 SEED_MAX = 0xFFFF_FFFF_FFFF_FFFF
 SEED_CONTROLS = ("fixed", "increment", "decrement", "randomize")
+DEFAULT_SEED_CONTROL = "randomize"  # a new seed widget's control, as ComfyUI's (a missing entry means fixed)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class RunContext:
     report_preview: Callable[[Any], None] = lambda image: None  # a PIL image or HxWx3 uint8 array
     settings: Any = None  # engine.settings.Settings (paths of the models and output folders)
     workflow: Any = None  # the workflow document being run (SaveImage embeds it in PNGs)
+    lookup: Callable[[str], Any] | None = None  # the registry's type lookup (ComfyUI's formats in PNGs)
     extra: dict[str, Any] = field(default_factory=dict)
 
 

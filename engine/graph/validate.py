@@ -8,19 +8,23 @@ checked for their links but not for missing inputs or widget values, since they 
 from __future__ import annotations
 
 from collections.abc import Callable
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import ValidationError
 from engine.graph.job_guard import check_job_memory
 from engine.graph.spec import ANY, SEED, SEED_CONTROLS, NodeType
 
+if TYPE_CHECKING:
+    import networkx as nx
+
 Lookup = Callable[[str], type[NodeType] | None]
 
 
 def build_graph(workflow: Workflow) -> nx.DiGraph:
     """A DiGraph over the non-muted nodes (attribute "doc"), one edge per linked pair (attribute "links")."""
+    import networkx as nx  # here, not at import: the desktop app starts without it
+
     graph = nx.DiGraph()
     for node_id in sorted(workflow.nodes, key=id_sort_key):
         node = workflow.nodes[node_id]
@@ -150,6 +154,8 @@ def _check_inputs(workflow: Workflow, node_id: str, cls: type[NodeType],
 
 
 def _check_cycles(graph: nx.DiGraph) -> list[ValidationError]:
+    import networkx as nx
+
     errors: list[ValidationError] = []
     for component in nx.strongly_connected_components(graph):
         first = min(component, key=id_sort_key)

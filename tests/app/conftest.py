@@ -175,7 +175,8 @@ def settings(tmp_path):
 
 @pytest.fixture
 def make_window(qtbot, app_data, settings, registry, monkeypatch):
-    """Build a shown MainWindow on the test registry; it never prompts, and it opens no default workflow."""
+    """Build a shown MainWindow on the test registry; it never prompts (not even when closed during a run),
+    and it opens no default workflow."""
     from app import main_window, theme
 
     monkeypatch.setattr(main_window, "resources_dir", lambda: app_data / "no_resources")
@@ -186,6 +187,7 @@ def make_window(qtbot, app_data, settings, registry, monkeypatch):
     def make(**options):
         window = main_window.MainWindow(settings, registry, **options)
         window.prompt_unsaved = lambda: "discard"
+        window.confirm_close_during_run = lambda: True  # a test may end with a job still running
         windows.append(window)
         window.show()
         qtbot.waitExposed(window)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.graph.comfy import is_comfy_ui
 from engine.graph.document import Workflow
-from engine.images import api_prompt, load_image, png_text, save_png, tensor_to_pil, workflow_chunks
+from engine.graph.interchange import load_any
+from engine.images import load_image, png_text, save_png, tensor_to_pil, workflow_chunks
 from engine.settings import Settings
 
 PROMPT = "a fox \"quoted\", ünïcode"
@@ -28,16 +30,24 @@ def _workflow() -> Workflow:
     return workflow
 
 
-def test_saved_png_holds_the_workflow_and_the_api_prompt(tmp_path: Path) -> None:
+def test_saved_png_holds_sluices_document_and_comfyuis_workflow_and_prompt(tmp_path: Path) -> None:
     workflow = _workflow()
     image = torch.rand(10, 14, 3, generator=torch.Generator().manual_seed(0))
     path = save_png(image, tmp_path / "out.png", workflow_chunks(workflow))
     chunks = png_text(path)
-    assert Workflow.loads(chunks["workflow"]).to_dict() == workflow.to_dict()
-    assert json.loads(chunks["prompt"]) == {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd15.safetensors"}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["1", 1]}},
+    assert Workflow.loads(chunks["sluice-workflow"]).to_dict() == workflow.to_dict()
+    comfy_ui = json.loads(chunks["workflow"])  # what ComfyUI's Load reads first: its own UI format
+    assert is_comfy_ui(comfy_ui) and comfy_ui["version"] == 0.4
+    assert [(node["id"], node["type"], node["mode"]) for node in comfy_ui["nodes"]] == [
+        (1, "CheckpointLoaderSimple", 0), (2, "CLIPTextEncode", 0), (3, "PreviewImage", 2)]
+    assert json.loads(chunks["prompt"]) == {  # muted nodes are not in a prompt
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sd15.safetensors"},
+              "_meta": {"title": "CheckpointLoaderSimple"}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": PROMPT, "clip": ["1", 1]},
+              "_meta": {"title": "prompt"}},
     }
+    loaded, warnings = load_any(path, lambda type_name: None)
+    assert warnings == [] and loaded.to_dict() == workflow.to_dict()  # Sluice reads its own chunk first
     with Image.open(path) as saved:
         pixels = np.asarray(saved)
     expected = np.clip(255.0 * image.numpy(), 0, 255).astype(np.uint8)  # ComfyUI truncates
@@ -54,7 +64,7 @@ def test_saving_never_overwrites(tmp_path: Path) -> None:
         save_png(torch.ones(4, 4, 3), first)
     with Image.open(first) as kept:
         assert np.asarray(kept).max() == 0
-    assert api_prompt(Workflow()) == {} and workflow_chunks(None) == {}
+    assert workflow_chunks(None) == {}
 
 
 def test_alpha_becomes_the_mask_as_one_minus_alpha(tmp_path: Path) -> None:

@@ -231,9 +231,10 @@ def test_load_image_save_image_and_preview_through_the_executor(settings: Settin
     assert len(events.of_kind("image_preview")) == 2
     with Image.open(saved[0]) as image:
         assert image.mode == "RGB" and image.getpixel((0, 0)) == (200, 40, 10)
-    assert Workflow.loads(png_text(saved[1])["workflow"]).to_dict() == workflow.to_dict()
+    assert Workflow.loads(png_text(saved[1])["sluice-workflow"]).to_dict() == workflow.to_dict()
     prompt = json.loads(png_text(saved[1])["prompt"])
-    assert prompt[load] == {"class_type": "LoadImage", "inputs": {"image": str(input_dir / "fox.png")}}
+    assert prompt[load] == {"class_type": "LoadImage", "inputs": {"image": str(input_dir / "fox.png")},
+                            "_meta": {"title": "Load Image"}}
     expected_mask = torch.zeros(1, 12, 20)
     expected_mask[0, 4, 3] = 1.0
     assert torch.equal(Capture.seen[mask], expected_mask)
@@ -266,7 +267,7 @@ def test_txt2img_through_the_cli_matches_sampling_directly(
     assert code == 0, capsys.readouterr().err
     [saved] = capsys.readouterr().out.split()
     assert Path(saved) == tmp_path / "out" / "txt2img_00001_.png"
-    assert Workflow.loads(png_text(saved)["workflow"]).nodes["5"].widgets["sampler_name"] == sampler
+    assert Workflow.loads(png_text(saved)["sluice-workflow"]).nodes["5"].widgets["sampler_name"] == sampler
 
     models = direct_models(models_root / "checkpoints" / "sd1.safetensors", "sd1")
     model = models["model"]

@@ -654,3 +654,15 @@ def test_cli_validate_on_comfyuis_default_workflow_reports_only_the_missing_mode
     assert out.strip().splitlines() == [line for line in out.strip().splitlines()
                                         if "v1-5-pruned-emaonly-fp16.safetensors" in line]
     assert len(out.strip().splitlines()) == 1
+
+
+def test_exports_write_sd_cpp_sampler_and_scheduler_names_as_comfyuis():
+    """ComfyUI refuses `dpm++2m` or `discrete`; an export writes ComfyUI's name of the same sampler."""
+    workflow, _ = from_comfy_ui(default_graph(), LOOKUP)
+    workflow.nodes["3"].widgets.update(sampler_name="dpm++2m", scheduler="discrete")
+    inputs = to_api_prompt(workflow, LOOKUP)["3"]["inputs"]
+    assert (inputs["sampler_name"], inputs["scheduler"]) == ("dpmpp_2m", "normal")
+    ui = {node["id"]: node for node in to_comfy_ui(workflow, LOOKUP)["nodes"]}
+    assert ui[3]["widgets_values"][4:6] == ["dpmpp_2m", "normal"]  # after seed, control, steps, cfg
+    workflow.nodes["3"].widgets["sampler_name"] = "euler_a"
+    assert to_api_prompt(workflow, LOOKUP)["3"]["inputs"]["sampler_name"] == "euler_ancestral"
