@@ -53,16 +53,18 @@ COMFY_SAMPLERS = (
     "dpmpp_2m_sde_heun", "dpmpp_2m_sde_heun_gpu", "dpmpp_3m_sde", "dpmpp_3m_sde_gpu", "ddpm", "lcm", "ipndm",
     "ipndm_v", "deis", "res_multistep", "res_multistep_cfg_pp", "res_multistep_ancestral",
     "res_multistep_ancestral_cfg_pp", "gradient_estimation", "gradient_estimation_cfg_pp", "er_sde",
-    "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2")
+    "seeds_2", "seeds_3", "sa_solver", "sa_solver_pece", "ddim", "uni_pc", "uni_pc_bh2", "exp_heun_2_x0",
+    "exp_heun_2_x0_sde")
 COMFY_SCHEDULERS = ("normal", "karras", "exponential", "sgm_uniform", "simple", "ddim_uniform", "beta",
                     "linear_quadratic", "kl_optimal")
 
 
 def listed_names(functions: Mapping[str, Callable], resolve: Callable[[str], str], comfy_names: Iterable[str],
                  aliases: Mapping[str, str]) -> tuple[str, ...]:
-    """One name per function of `functions` (name -> function): ComfyUI's where it has one, in its order, then
-    the others under a ComfyUI-style alias where there is one, else their own name. `resolve` maps any
-    accepted spelling to a key of `functions` (ValueError for an unknown one)."""
+    """ComfyUI's names that Sluice has, in ComfyUI's order (all of them, as ComfyUI lists them, also where two
+    run one function: its ddim is its euler), then one name for each other function of `functions` (name ->
+    function), under a ComfyUI-style alias where there is one, else its own. `resolve` maps any accepted
+    spelling to a key of `functions` (ValueError for an unknown one)."""
     listed: list[str] = []
     seen: set[Callable] = set()
     for name in comfy_names:
@@ -70,9 +72,8 @@ def listed_names(functions: Mapping[str, Callable], resolve: Callable[[str], str
             function = functions[resolve(name)]
         except (ValueError, KeyError):
             continue  # a ComfyUI sampler Sluice does not have
-        if function not in seen:
-            seen.add(function)
-            listed.append(name)
+        seen.add(function)
+        listed.append(name)
     for name, function in functions.items():
         if function not in seen:
             seen.add(function)
