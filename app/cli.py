@@ -622,23 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-SUBCOMMANDS = ("run", "validate", "nodes", "inspect", "devices", "plan", "export")
-
-
-def prepare_gui_process() -> None:
-    """Settings the desktop app needs before torch is imported: OpenMP threads that wait for work sleep
-    (OMP_WAIT_POLICY=PASSIVE) instead of spinning. torch runs one OpenMP thread per core; beside them the GUI
-    thread paints, and a spinning thread keeps its core while the descheduled one it waits for cannot run,
-    which made runs from the window many times slower than headless ones on a two-core machine. A value the
-    user set is kept."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: list[str] | None = None) -> int:
-    words = sys.argv[1:] if argv is None else argv
-    if "--headless" not in words and not any(word in SUBCOMMANDS for word in words):
-        prepare_gui_process()  # before build_parser, which imports torch
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a usage error argparse already printed

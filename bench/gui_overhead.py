@@ -8,8 +8,7 @@ window at --size, its docks (memory panel included) as a user first sees them, a
 headless children alternate, so a busy machine slows both alike. Rows:
 
 - job, first run: the executor's job seconds (what `sluice run` prints as "job finished in") of the first run
-  in a new process, models loaded: `sluice --headless` against Queue in the window (its process prepared as
-  `sluice` prepares the desktop app's: app.cli.prepare_gui_process);
+  in a new process, models loaded: `sluice --headless` against Queue in the window;
 - job, next run: a second run in the same process with a new seed (the sampler, the decoder and the save run
   again, the loaders come from the cache): the headless child runs the workflow again on its executor, the GUI
   child presses Queue again (control after generate randomizes the seed);
@@ -67,8 +66,6 @@ print(json.dumps({"first": jobs[0], "next": result.seconds}))
 
 GUI_CHILD = """
 import json, os, sys, threading, time
-from app.cli import prepare_gui_process
-prepare_gui_process()  # as `sluice` does for the desktop app, before torch is imported
 import psutil
 from PySide6.QtCore import QEventLoop, QTimer
 from PySide6.QtWidgets import QApplication
