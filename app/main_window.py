@@ -62,7 +62,7 @@ COMFY_FILTER = "ComfyUI workflows (*.json);;All files (*)"
 TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
 # The side docks' widths as the window's changes: (share of the window's width, least, most pixels).
 SIDE_DOCK_SHARE = {"dock_nodes": (0.14, 180, 320), "dock_inspector": (0.2, 250, 480)}
-RUN_REDRAW_MS = 125  # while a job runs, dock timers that fire more often slow to this interval
+RUN_REDRAW_MS = 250  # while a job runs, dock timers that fire more often slow to this interval
 DOCK_DRAG_SLACK = 6  # pixels a side dock may differ from the width it was given before it counts as dragged
 MINIMAP_KEY = "canvas/minimap"  # QSettings: whether the canvas shows its minimap
 TESTING_NODES_KEY = "palette/show_testing"  # QSettings: whether _for_testing nodes are offered

@@ -172,7 +172,14 @@ class EngineWorker(QThread):
         self.relay.close()
 
     def run(self) -> None:
-        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL)  # process-wide: see the module's docstring
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(ENGINE_SWITCH_INTERVAL)  # process-wide while the thread lives (see above)
+        try:
+            self._drain()
+        finally:
+            sys.setswitchinterval(previous)
+
+    def _drain(self) -> None:
         while (job := self.queue.take()) is not None:
             self.running_job_id = job.job_id
             self.relay.current_job_id = job.job_id

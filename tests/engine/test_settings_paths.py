@@ -12,6 +12,7 @@ from engine.settings import (
     load_settings,
     resources_dir,
     save_settings,
+    with_memory_defaults,
 )
 
 
@@ -190,3 +191,18 @@ def test_cache_dir_from_environment_file_xdg_or_home_and_off(tmp_path, monkeypat
     assert cache_dir(env={}, settings_file=write_settings_file(tmp_path / "n.json", cache_dir=None)) is None
     with pytest.raises(SettingsError, match="cache_dir must be a path string, 'off' or null, got 3"):
         cache_dir(env={}, settings_file=write_settings_file(tmp_path / "b.json", cache_dir=3))
+
+
+def test_default_memory_settings_round_trip_and_sit_below_the_workflows(tmp_path):
+    file = write_settings_file(tmp_path / "settings.json", memory={"max_vram": "6", "params_backend": "cpu"})
+    settings = load_settings(env={}, settings_file=file)
+    assert settings.memory_defaults() == {"max_vram": "6", "params_backend": "cpu"}
+    assert with_memory_defaults({"max_vram": "2"}, settings) == {"max_vram": "2", "params_backend": "cpu"}
+    assert with_memory_defaults(None, settings) == {"max_vram": "6", "params_backend": "cpu"}
+    assert with_memory_defaults({"backend": "cpu"}, None) == {"backend": "cpu"}
+    save_settings(settings, tmp_path / "again.json")
+    assert load_settings(env={}, settings_file=tmp_path / "again.json").memory_defaults() == \
+        settings.memory_defaults()
+    write_settings_file(file, memory=["max_vram", "6"])
+    with pytest.raises(SettingsError, match="memory must be an object of memory settings"):
+        load_settings(env={}, settings_file=file)
