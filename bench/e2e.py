@@ -15,7 +15,8 @@ applied as `sluice run` applies it (app.cli.configure_memory).
 Every mode runs in a new process (`bench/e2e.py --child ...`):
 - cold: its first generation; "s/image" is from loading the checkpoint (out of the page cache) to the saved
   PNG, "process s" from spawning the process to the saved PNG, "import s" the imports before it (torch,
-  app.cli, the executor, the node registry built);
+  app.cli, the executor, the node registry built), "after torch s" the part of them after `import torch`
+  (Sluice's engine and nodes, and the registry built);
 - warm: --warm-runs more generations in that process, each with a new seed and positive prompt (the
   executor's cache keeps the loaded checkpoint and the negative prompt's conditioning, as in the app); the
   median by s/image is reported.
@@ -84,11 +85,13 @@ class Row:
     load_s: float | None = None  # cold: the loader node; diffusers' from_single_file and placing
     process_s: float | None = None  # cold: process spawned to the saved PNG
     import_s: float | None = None  # cold: the imports before the generation
+    after_torch_s: float | None = None  # cold: the part of import_s after `import torch` (Sluice's own)
     peak_allocated_gib: float | None = None  # None off CUDA
     peak_reserved_gib: float | None = None
     budget_gib: float | None = None  # the --max-vram budget; None: none
     cache_files: int | None = None  # cold Sluice: files in the profile cache when the process began
     error: str | None = None  # the mode failed: why
+    pools: dict[str, float] | None = None  # CUDA: reserved/allocated GiB after the run, graph pools apart
 
     @property
     def fits(self) -> str:
@@ -238,6 +241,9 @@ def spawn(args: argparse.Namespace, spec: dict[str, Any], env: dict[str, str]) -
     began = time.time()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=args.child_timeout)
+    if spec.get("log_level"):
+        name = f"stderr_{spec['model']}_{spec['mode'].replace(' ', '_').replace(',', '')}.txt"
+        (Path(spec["out"]) / name).write_text(result.stderr)
     for line in result.stderr.splitlines():
         if line.startswith("e2e:"):
             say("    " + line[4:].strip())
@@ -261,6 +267,7 @@ def rows_of(data: dict[str, Any], system: str, model: str, mode: str, budget: fl
     if cold and runs:
         first = runs[0]
         rows.append(Row(system, model, mode, "cold", **first, budget_gib=budget, import_s=data["import_s"],
+                        after_torch_s=data.get("after_torch_s"),
                         process_s=data["saved_at"][0] - data["spawned_at"],
                         cache_files=data.get("cache_files")))
     warm = runs[1:]
@@ -275,14 +282,15 @@ def rows_of(data: dict[str, Any], system: str, model: str, mode: str, budget: fl
 
 def format_table(rows: list[Row]) -> str:
     lines = ["| system | model | mode | run | s/image | s/step | cb ms | text s | sampling s | decode s "
-             "| load s | process s | import s | peak alloc GiB | peak reserved GiB | fits alloc / reserved "
-             "| cache |", "| --- | --- | --- | --- |" + " ---: |" * 11 + " --- | ---: |"]
+             "| load s | process s | import s | after torch s | peak alloc GiB | peak reserved GiB "
+             "| fits alloc / reserved | cache |",
+             "| --- | --- | --- | --- |" + " ---: |" * 12 + " --- | ---: |"]
     for r in rows:
         if r.error is not None:
             lines.append(f"| {r.system} | {r.model} | {r.mode} | failed | {r.error} |")
             continue
         cells = [r.image_s, r.step_s, r.callback_ms, r.text_s, r.sampling_s, r.decode_s, r.load_s,
-                 r.process_s, r.import_s, r.peak_allocated_gib, r.peak_reserved_gib]
+                 r.process_s, r.import_s, r.after_torch_s, r.peak_allocated_gib, r.peak_reserved_gib]
         text = " | ".join("-" if v is None else f"{v:.3f}" for v in cells)
         cache = "-" if r.cache_files is None else str(r.cache_files)
         lines.append(f"| {r.system} | {r.model} | {r.mode} | {r.run} | {text} | {r.fits} | {cache} |")
@@ -331,7 +339,8 @@ def parent(args: argparse.Namespace) -> int:
             side = TINY_SIDE if args.tiny else side
             base = {"model": model, "family": family, "side": side, "steps": steps, "workdir": str(workdir),
                     "warm_runs": args.warm_runs, "tiny": args.tiny, "device": device,
-                    "profile": args.profile, "memory_history": args.memory_history, "out": str(args.out)}
+                    "profile": args.profile, "memory_history": args.memory_history, "out": str(args.out),
+                    "log_level": args.log_level}
             modes: list[tuple[str, str, float | None]] = [("sluice", "resident", None)]
             if not args.no_cold:  # a first process fills the profile cache; the rows after read it
                 modes.insert(0, ("sluice", EMPTY_CACHE, None))
@@ -419,7 +428,31 @@ def peaks(device: str) -> dict[str, float | None]:
     import torch
 
     return {"peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
-            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB}
+            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB, "pools": pool_breakdown()}
+
+
+def pool_breakdown() -> dict[str, float]:
+    """Reserved and allocated GiB now, in the ordinary pool and in CUDA graphs' private pools (where the
+    reserved bytes that no tensor uses sit)."""
+    import torch
+
+    totals = {"reserved": 0.0, "allocated": 0.0, "graph_reserved": 0.0, "graph_allocated": 0.0,
+              "graph_pools": 0}
+    pools = set()
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:  # backend:cudaMallocAsync keeps no segments
+        return {}
+    for segment in segments:
+        private = tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+        totals["reserved"] += segment["total_size"] / GIB
+        totals["allocated"] += segment["allocated_size"] / GIB
+        if private:
+            pools.add(tuple(segment["segment_pool_id"]))
+            totals["graph_reserved"] += segment["total_size"] / GIB
+            totals["graph_allocated"] += segment["allocated_size"] / GIB
+    totals["graph_pools"] = len(pools)
+    return totals
 
 
 def callback_ms(times: list[float]) -> float | None:
@@ -429,6 +462,8 @@ def callback_ms(times: list[float]) -> float | None:
 
 def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
+
+    torch_at = time.time()
 
     import app.cli
     from engine.graph.document import Workflow
@@ -475,7 +510,8 @@ def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
     clock = Clock(device)
     bus.subscribe(clock)
     executor = Executor(registry.get, bus=bus, settings=settings)
-    result: dict[str, Any] = {"import_s": imported, "cache_files": cache_files, "runs": [], "saved_at": []}
+    result: dict[str, Any] = {"import_s": imported, "after_torch_s": SPAWNED_AT + imported - torch_at,
+                              "cache_files": cache_files, "runs": [], "saved_at": []}
     for index in range(1 + spec["warm_runs"]):
         workflow.nodes[positive].widgets["text"] = PROMPTS[index % len(PROMPTS)]
         workflow.nodes[sampler].widgets["seed"] = index
@@ -499,7 +535,8 @@ def sluice_child(spec: dict[str, Any]) -> dict[str, Any]:
         result["runs"].append(run)
         result["saved_at"].append(clock.saved_at)
         note(f"{'cold' if index == 0 else 'warm'} {index}: {run['image_s']:.3f} s/image, "
-             f"{run['step_s'] * 1e3:.2f} ms/step")
+             f"{run['step_s'] * 1e3:.2f} ms/step"
+             + (f", pools now {run['pools']}" if run.get("pools") else ""))
     if spec["unet_only"] and "error" not in result:
         executor.clear_cache()
         result["unet_step_s"] = unet_only_step(spec)
@@ -698,7 +735,8 @@ def diffusers_child(spec: dict[str, Any]) -> dict[str, Any]:
                **peaks(device)}
         result["runs"].append(run)
         note(f"{'cold' if index == 0 else 'warm'} {index}: {run['image_s']:.3f} s/image, "
-             f"{run['step_s'] * 1e3:.2f} ms/step")
+             f"{run['step_s'] * 1e3:.2f} ms/step"
+             + (f", pools now {run['pools']}" if run.get("pools") else ""))
     return result
 
 
@@ -744,6 +782,11 @@ def synchronized(device: str) -> float:
 def child(text: str) -> int:
     spec = json.loads(text)
     sys.path.insert(0, str(ROOT))
+    if spec.get("log_level"):
+        import logging
+
+        logging.basicConfig(level=logging.WARNING, format="%(relativeCreated)8.0f %(name)s %(message)s")
+        logging.getLogger("sluice").setLevel(spec["log_level"])
     try:
         result = diffusers_child(spec) if spec["system"] == "diffusers" else sluice_child(spec)
     except Exception as error:  # noqa: BLE001 - the parent reports it as the mode's row
@@ -769,6 +812,8 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/sluice_e2e",
                         help="checkpoints (kept and reused), diffusers configs, profile caches and images")
     parser.add_argument("--child-timeout", type=int, default=300, help="seconds one mode's process may take")
+    parser.add_argument("--log-level", default=None, choices=("DEBUG", "INFO", "WARNING"),
+                        help="log Sluice's loggers at this level; each child's stderr is kept in --out")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile Sluice's cold and first warm generation (text files in --out)")
     parser.add_argument("--memory-history", action="store_true",

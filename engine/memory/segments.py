@@ -68,6 +68,7 @@ __all__ = ["Segment", "SegmentPlan", "SegmentRunner", "StageProfile", "plan_segm
 WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per module
 RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
 GRAPH_KEY = "cuda_graph"  # the memory pool of a captured call, tracked as a workspace while it exists
+RUNNER_KEYS = (WORKSPACE_KEY, RING_KEY, GRAPH_KEY)  # the workspaces a runner owns (a new plan replaces them)
 log = logging.getLogger("sluice.memory")
 
 
@@ -215,6 +216,8 @@ class SegmentRunner:
             workspace += graph_io_bytes(state)
         plan = self._plan_for(stages, stage_keys, workspace, signature)
         if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
+            log.debug("%s: eager call (measuring %s, graphs %s, or it re-reads disk)", self.module, measuring,
+                      self.graphs)
             return self._run_eager(plan, stages, state, signature, measuring)
         key = (signature, id(plan), self.store.generation, self._ring_serial, torch.is_grad_enabled())
         if self._graph is not None and self._graph.key == key:
@@ -230,6 +233,8 @@ class SegmentRunner:
         state = self._run_eager(plan, stages, state, signature, measuring)
         after = (signature, id(self.plan), self.store.generation, self._ring_serial, torch.is_grad_enabled())
         self._steady = key if after == key else None
+        log.debug("%s: eager call before a capture; steady %s (plan %s, generation %s, ring %s)", self.module,
+                  after == key, after[1] == key[1], after[2] == key[2], after[3] == key[3])
         return state
 
     def _run_eager(
@@ -382,8 +387,14 @@ class SegmentRunner:
         self._graph = None
 
     def _forget_graph(self) -> None:
+        had_graph = self._graph is not None
         self._graph = None
         self._steady = None
+        if had_graph and self.device.type == "cuda":
+            # a dropped graph's private pool is free but reserved, and no other pool can use it: the module
+            # that needed the room (or this one's next plan) would allocate beside it (reserved went 25% over
+            # an SDXL budget so); cudaFree waits for a replay still running
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------------------ running
 
@@ -580,13 +591,17 @@ class SegmentRunner:
     def _capacity(self) -> int:
         """What this module can use: free budget plus everything eviction could reclaim (its own ring and
         workspace included, since a new plan replaces them)."""
-        own = self.ledger.tracked(self.module, "workspace") if self.module else 0
+        # only the runner's own workspaces: others of the module (a sampler's state held around its calls,
+        # runtime.ModuleMemory.holding) stay while it runs; counting them made every plan too large by
+        # them, and each call then evicted and re-copied resident weights (never steady, so never a graph)
+        own = sum(self.ledger.workspace(self.module, key) for key in RUNNER_KEYS) if self.module else 0
         evictable = self.store.evictable_bytes(self.device) + own - self._idle_own()
         return max(0, self.ledger.headroom() + evictable)  # headroom may be negative: over the limit
 
     def _idle_own(self) -> int:
-        """This module's idle workspaces, which `evictable_bytes` already counts."""
-        return sum(n for m, _, n in self.ledger.idle_workspaces() if m == self.module)
+        """This runner's idle workspaces, which `evictable_bytes` already counts."""
+        return sum(n for m, key, n in self.ledger.idle_workspaces()
+                   if m == self.module and key in RUNNER_KEYS)
 
     def _plan_for(
         self, stages: Sequence[Stage], stage_keys: list[list[str]], workspace: int, signature: tuple

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -504,6 +505,9 @@ class WeightStore:
         device = torch.device(device)
         ledger = self.ledger(device)
         deficit = nbytes - ledger.available()  # every byte released below is available again
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("evicting for %d bytes on %s (%d short): %s", nbytes, device, deficit,
+                      "".join(traceback.format_stack(limit=6)[:-1]).replace("\n", " | "))
         freed = 0
         for module, key, size in ledger.idle_workspaces():
             if freed >= deficit:

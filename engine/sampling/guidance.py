@@ -127,7 +127,8 @@ def match_token_lengths(contexts: list[torch.Tensor]) -> list[torch.Tensor]:
     attention output unchanged, since softmax attention over a repeated key set is the same average.
     """
     length = math.lcm(*(c.shape[1] for c in contexts))
-    return [c.repeat(1, length // c.shape[1], 1) for c in contexts]  # (B, length, C)
+    # (B, length, C) each
+    return [c if c.shape[1] == length else c.repeat(1, length // c.shape[1], 1) for c in contexts]
 
 
 def cfg_mix(cond: torch.Tensor, uncond: torch.Tensor, cfg_scale: float) -> torch.Tensor:
@@ -236,10 +237,11 @@ def _feather(mult: torch.Tensor, area: tuple[int, int, int, int], full: tuple[in
 
 def _piece(entry: Conditioning, side: int, x: torch.Tensor, sigma: torch.Tensor) -> _Piece | None:
     """The entry's crop and multiplier at this sigma; None when its sigma range excludes the step."""
-    now = float(sigma[0])
-    if (entry.sigma_start is not None and now > entry.sigma_start) or (
-            entry.sigma_end is not None and now < entry.sigma_end):
-        return None
+    if entry.sigma_start is not None or entry.sigma_end is not None:
+        now = float(sigma[0])  # read only when needed: on a GPU it waits for the work queued before it
+        if (entry.sigma_start is not None and now > entry.sigma_start) or (
+                entry.sigma_end is not None and now < entry.sigma_end):
+            return None
     height, width = x.shape[-2:]
     area, crop = None, x
     if entry.area is not None:
@@ -300,15 +302,29 @@ def _crop(t: torch.Tensor, area: tuple[int, int, int, int] | None) -> torch.Tens
     return t[:, :, top:top + h, left:left + w]
 
 
+def _batched_conditioning(group: list[_Piece], batch: int, cache: dict | None,
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The group's contexts (chunks * B, tokens, C) and pooled vectors y (chunks * B, adm) or None, in one
+    batch each; kept in `cache` for the next steps, which batch the same entries."""
+    entries = tuple(piece.entry for piece in group)
+    key = (batch, tuple(id(entry) for entry in entries))
+    if cache is not None and key in cache:
+        return cache[key][1:]  # the cached value holds `entries`, so their ids stay theirs
+    context = torch.cat(match_token_lengths([repeat_to_batch(entry.context, batch) for entry in entries]))
+    y = None if entries[0].y is None else torch.cat([repeat_to_batch(entry.y, batch) for entry in entries])
+    if cache is not None:
+        cache[key] = (entries, context, y)
+    return context, y
+
+
 def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args: Mapping[str, Any],
-               ) -> tuple[torch.Tensor, ...]:
+               cache: dict | None = None) -> tuple[torch.Tensor, ...]:
     """One model call for the pieces of `group`: their x0, one (B, C, h, w) chunk each."""
     batch, chunks = group[0].x.shape[0], len(group)
     x = torch.cat([piece.x for piece in group])  # (chunks * B, C, h, w)
-    inputs: dict[str, Any] = {"context": torch.cat(match_token_lengths(
-        [repeat_to_batch(piece.entry.context, batch) for piece in group]))}
+    context, y = _batched_conditioning(group, batch, cache)
+    inputs: dict[str, Any] = {"context": context, "y": y}
     first = group[0].entry
-    inputs["y"] = None if first.y is None else torch.cat([repeat_to_batch(p.entry.y, batch) for p in group])
     if first.guidance is not None:
         inputs["guidance"] = torch.cat([torch.full((batch,), float(p.entry.guidance), device=x.device)
                                         for p in group])  # (chunks * B,)
@@ -322,9 +338,10 @@ def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args:
 
 
 def calc_cond_batch(model: Any, sides: Sequence[Side | None], x: torch.Tensor, sigma: torch.Tensor,
-                    **extra_args: Any) -> list[torch.Tensor]:
+                    context_cache: dict | None = None, **extra_args: Any) -> list[torch.Tensor]:
     """x0 predicted for each side on x (B, C, H, W) at sigma (B,), as ComfyUI's calc_cond_batch; a side that
-    is None (not run) predicts zeros."""
+    is None (not run) predicts zeros. `context_cache` (a dict the caller keeps over its steps) saves
+    batching the same prompts' tensors again at every step."""
     outputs = [torch.zeros_like(x) for _ in sides]
     counts = [torch.full_like(x, COUNT_FLOOR) for _ in sides]
     pending = [piece for index, side in enumerate(sides) for entry in side or ()
@@ -332,7 +349,8 @@ def calc_cond_batch(model: Any, sides: Sequence[Side | None], x: torch.Tensor, s
     while pending:
         group = [piece for piece in pending if _batches_with(piece, pending[0])]
         pending = [piece for piece in pending if not any(piece is member for member in group)]
-        for piece, predicted in zip(group, _run_batch(model, group, sigma, extra_args), strict=True):
+        for piece, predicted in zip(group, _run_batch(model, group, sigma, extra_args, context_cache),
+                                    strict=True):
             out, count = outputs[piece.side], counts[piece.side]
             if piece.area is not None:
                 h, w, top, left = piece.area
@@ -357,13 +375,14 @@ class _Guided:
         self.cfg_function: CfgFunction | None = getattr(model, "cfg_function", None)
         self.keep_uncond = False
         self.last_uncond_denoised: torch.Tensor | None = None
+        self._contexts: dict = {}  # calc_cond_batch's batched prompt tensors, for the steps after the first
 
     def _predict(self, x: torch.Tensor, sigma: torch.Tensor, sides: Sequence[Side | None],
                  extra_args: Mapping[str, Any]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if self.check_interrupt is not None:
             self.check_interrupt()
         sigma = torch.as_tensor(sigma, device=x.device).expand(x.shape[0])  # (B,)
-        return sigma, calc_cond_batch(self.model, sides, x, sigma, **extra_args)
+        return sigma, calc_cond_batch(self.model, sides, x, sigma, self._contexts, **extra_args)
 
     def _cfg(self, cond: torch.Tensor, uncond: torch.Tensor, scale: float, x: torch.Tensor,
              sigma: torch.Tensor) -> torch.Tensor:

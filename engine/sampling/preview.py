@@ -4,6 +4,8 @@ The factors are ComfyUI's latent_rgb_factors (comfy/latent_formats.py, classes S
 as ComfyUI's Latent2RGBPreviewer does, to the denoised latent in the space the model samples in.
 """
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -50,10 +52,18 @@ def latent_to_rgb_frame(latent: torch.Tensor, family: str = "sd1") -> torch.Tens
                          f"{', '.join(LATENT_RGB_FACTORS)}")
     if latent.ndim == 4:
         latent = latent[0]
-    factors = torch.tensor(LATENT_RGB_FACTORS[key], device=latent.device)  # (C, 3)
+    factors, bias = _projection(key, latent.device)  # (C, 3), (3,)
     if latent.ndim != 3 or latent.shape[0] != factors.shape[0]:
         raise ValueError(f"preview needs a ({factors.shape[0]}, H, W) latent for '{family}'; got shape "
                          f"{tuple(latent.shape)}")
     rgb = torch.einsum("chw,cr->hwr", latent.detach().float(), factors)  # (H, W, 3)
-    rgb = rgb + torch.tensor(LATENT_RGB_BIAS[key], device=latent.device)
+    rgb = rgb + bias
     return ((rgb + 1.0) / 2.0).clamp(0, 1).mul(255).to(torch.uint8)
+
+
+@lru_cache(maxsize=16)
+def _projection(family: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A family's factors and bias on `device`, made once: a tensor made from a list on a GPU is a copy from
+    pageable memory, which waits for all the work queued before it (every step's, in a sampler)."""
+    return (torch.tensor(LATENT_RGB_FACTORS[family], device=device),
+            torch.tensor(LATENT_RGB_BIAS[family], device=device))

@@ -76,3 +76,32 @@ def test_a_whole_generation_under_a_budget_never_tracks_more_than_the_budget(tmp
     assert [e["delta"] > 0 for e in held] == [True, False]  # the sampler's own tensors, held while it ran
     unet_plans = [p for p in events.of_kind("plan") if p["module"] == "diffusion"]
     assert unet_plans and not unet_plans[-1]["whole"]  # the budget really bit
+
+
+def test_the_sampler_state_held_beside_the_unet_does_not_make_its_steps_evict_and_recopy(tmp_path):
+    """The sampler's own tensors are held in the ledger while it samples; the UNet's plan must leave room for
+    them, not count them as its own reusable workspace: else every step evicts resident weights to make
+    room and copies them back (never steady, so never a CUDA graph: 2-3x slower steps on the H200)."""
+    (tmp_path / "models" / "checkpoints").mkdir(parents=True)
+    write_checkpoint(tmp_path / "models" / "checkpoints" / "tiny.safetensors", "sd1", size="tiny")
+    settings = Settings(tmp_path / "models", tmp_path / "output", None)
+    bus = EventBus()
+    events = EventRecorder(bus)
+    previous = set_runtime(MemoryRuntime(MemorySettings(), bus=bus))
+    clear_cache()
+    try:
+        workflow = generation("tiny.safetensors", 14 * MIB / 1024**3)
+        sampler = next(node for node in workflow.nodes.values() if node.type == "KSampler")
+        sampler.widgets["steps"] = 6
+        app.cli.configure_memory(argparse.Namespace(), workflow)
+        job = Executor(default_registry(settings).get, bus=bus, settings=settings).run(workflow)
+    finally:
+        set_runtime(previous)
+        clear_cache()
+    assert job.status == "finished", job.failure
+    kinds = [(e.kind, e.get("module"), e.get("allocation")) for e in events.events]
+    steps = [i for i, (kind, _, _) in enumerate(kinds) if kind == "progress"]
+    assert len(steps) >= 6
+    steady = kinds[steps[1]:steps[-1]]  # after the calls that measure the UNet, before the VAE
+    evicted = [k for k in steady if k[0] == "eviction" and k[1] == "diffusion" and k[2] == "weights"]
+    assert not evicted, f"{len(evicted)} evictions of the UNet's weights between steady steps"
