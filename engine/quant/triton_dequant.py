@@ -13,9 +13,10 @@ does not contract `q * scale - low` into one fused multiply-add, which would rou
 Results are then bit-identical to dequant.py's for every finite value, infinity and signed zero; a NaN
 comes out as a NaN where the reference has one (its payload bits are the hardware's).
 
-Launches allocate only the output (torch's caching allocator, so a CUDA graph captures them) and never
-synchronise with the host. Tests run these kernels on the CPU under Triton's interpreter (TRITON_INTERPRET=1
-set before this module is imported).
+A kernel is compiled once per output dtype and byte alignment, for any number of blocks (n_blocks is not
+specialised on). Launches allocate only the output (torch's caching allocator, so a CUDA graph captures
+them) and never synchronise with the host. Tests run these kernels on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1 set before this module is imported).
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def _k_scale_min(sc, s, ok):
 # ---------------------------------------------------------------- 32-element block types
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q8_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qs[32] int8
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -130,7 +131,7 @@ def _q8_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     _write(out, block * 32 + i, q * _half(src, ok), ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q4_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qs[16]: element i in the low nibble of byte i, element i+16 in its high nibble
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -143,7 +144,7 @@ def _q4_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     _write(out, block * 32 + 16 + i, ((packed >> 4) - 8).to(tl.float32) * d, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q4_1(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, m: fp16, qs[16] as Q4_0; value = d * q + m
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -166,7 +167,7 @@ def _five_bit(src, i, ok, QH: tl.constexpr):
     return (packed & 15) | (low_bit << 4), (packed >> 4) | (high_bit << 4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q5_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qh[4], qs[16]
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -179,7 +180,7 @@ def _q5_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     _write(out, block * 32 + 16 + i, (second - 16).to(tl.float32) * d, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q5_1(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, m: fp16, qh[4], qs[16]; value = d * q + m
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -192,7 +193,7 @@ def _q5_1(raw, out, n_blocks, BLOCKS: tl.constexpr):
     _write(out, block * 32 + 16 + i, second.to(tl.float32) * d + m, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _iq4_nl(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
     # d: fp16, qs[16] as Q4_0, each nibble an index into IQ4_LEVELS
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -208,7 +209,7 @@ def _iq4_nl(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
 # ---------------------------------------------------------------- 256-element K-quant super-blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q2_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # scales[16] (low nibble scale, high nibble min of each 16 elements), qs[64] 2-bit, d, dmin: fp16.
     # Element 128h + 32j + 16c + t is field j (bits 2j, 2j+1) of qs byte 32h + 16c + t, sub-block 8h + 2j + c.
@@ -228,7 +229,7 @@ def _q2_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
         _write(out, block * 256 + 128 * h + 32 * j + 16 * c + t, q * scale - low, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q3_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # hmask[32], qs[64] 2-bit, scales[12] (16 signed 6-bit scales), d: fp16. Element 128h + 32j + 16c + t:
     # low 2 bits field j of qs byte 32h + 16c + t, bit 2 (stored inverted) bit 4h + j of hmask byte 16c + t,
@@ -252,7 +253,7 @@ def _q3_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
         _write(out, block * 256 + 128 * h + 32 * j + 16 * c + t, q.to(tl.float32) * scale, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q4_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, dmin: fp16, scales[12], qs[128]: 64-element chunks j of 32 bytes, sub-block 2j in the low nibbles,
     # 2j + 1 in the high ones
@@ -271,7 +272,7 @@ def _q4_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
            (packed >> 4).to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q5_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, dmin: fp16, scales[12], qh[32] (bit 4 of element 32s + i is bit s of qh[i]), qs[128] as Q4_K
     block, ok = _program_blocks(n_blocks, BLOCKS)
@@ -292,7 +293,7 @@ def _q5_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
            q.to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _q6_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # ql[128], qh[64], scales[16] int8, d: fp16. Element 128h + 32k + 16c + t: low 4 bits nibble k // 2 of
     # ql byte 64h + 32(k % 2) + 16c + t, high 2 bits field k of qh byte 32h + 16c + t, scale 8h + 2k + c.
@@ -321,7 +322,7 @@ def _q6_k_quarter(out, src, block, h, c, t, packed, high, d, ok, K: tl.constexpr
     _write(out, block * 256 + 128 * h + 32 * K + 16 * c + t, q.to(tl.float32) * scale, ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks"])
 def _iq4_xs(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
     # d: fp16, scales_h: 2 bytes (field s % 4 of byte s // 4: high 2 bits of sub-block s's scale),
     # scales_l[4] (nibble s % 2 of byte s // 2), qs[128]: sub-block s of 16 bytes, low nibbles first,
