@@ -118,52 +118,55 @@ def _k_scale_min(sc, s, ok):
 
 
 # ---------------------------------------------------------------- 32-element block types
+# Per-block values (scales) are computed on (B,) tensors and per-sub-block ones on (B, S) tensors, then
+# broadcast: computed on the element tile's shape instead, each thread would repeat them per element it holds.
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q8_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qs[32] int8
-    block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]  # (B, 1)
+    block, ok = _program_blocks(n_blocks, BLOCKS)  # (B,)
     src = raw + block * 34
+    d = _half(src, ok)[:, None]  # (B, 1)
     i = tl.arange(0, 32)[None, :]
-    q = tl.load(src + 2 + i, mask=ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    _write(out, block * 32 + i, q * _half(src, ok), ok)
+    q = tl.load(src[:, None] + 2 + i, mask=ok[:, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    _write(out, block[:, None] * 32 + i, q * d, ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q4_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qs[16]: element i in the low nibble of byte i, element i+16 in its high nibble
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]
     src = raw + block * 18
+    d = _half(src, ok)[:, None]
     i = tl.arange(0, 16)[None, :]
-    packed = _byte(src + 2 + i, ok)
-    d = _half(src, ok)
-    _write(out, block * 32 + i, ((packed & 15) - 8).to(tl.float32) * d, ok)
-    _write(out, block * 32 + 16 + i, ((packed >> 4) - 8).to(tl.float32) * d, ok)
+    packed = _byte(src[:, None] + 2 + i, ok[:, None])  # (B, 16)
+    _write(out, block[:, None] * 32 + i, ((packed & 15) - 8).to(tl.float32) * d, ok[:, None])
+    _write(out, block[:, None] * 32 + 16 + i, ((packed >> 4) - 8).to(tl.float32) * d, ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q4_1(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, m: fp16, qs[16] as Q4_0; value = d * q + m
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]
     src = raw + block * 20
+    d, m = _half(src, ok)[:, None], _half(src + 2, ok)[:, None]
     i = tl.arange(0, 16)[None, :]
-    packed = _byte(src + 4 + i, ok)
-    d, m = _half(src, ok), _half(src + 2, ok)
-    _write(out, block * 32 + i, (packed & 15).to(tl.float32) * d + m, ok)
-    _write(out, block * 32 + 16 + i, (packed >> 4).to(tl.float32) * d + m, ok)
+    packed = _byte(src[:, None] + 4 + i, ok[:, None])
+    _write(out, block[:, None] * 32 + i, (packed & 15).to(tl.float32) * d + m, ok[:, None])
+    _write(out, block[:, None] * 32 + 16 + i, (packed >> 4).to(tl.float32) * d + m, ok[:, None])
 
 
 @triton.jit
-def _five_bit(src, i, ok, QH: tl.constexpr):
-    """Q5_0/Q5_1 values (int32, 0-31) of elements i and i+16 (i: 0-15): nibbles of qs (after the 4 bytes of
-    qh at QH), bit 4 of element k is bit k of qh (little-endian)."""
-    packed = _byte(src + QH + 4 + i, ok)
-    low_bit = (_byte(src + QH + (i >> 3), ok) >> (i & 7)) & 1
-    high_bit = (_byte(src + QH + 2 + (i >> 3), ok) >> (i & 7)) & 1
+def _five_bit(src, ok, QH: tl.constexpr):
+    """Q5_0/Q5_1 values (int32, 0-31) of elements i and i+16 (i: 0-15, (B, 16) each) of the blocks at `src`
+    (B,): nibbles of qs (after the 4 bytes of qh at QH); bit 4 of element k is bit k of qh (little-endian)."""
+    qh = (_byte(src + QH, ok) | (_byte(src + QH + 1, ok) << 8) | (_byte(src + QH + 2, ok) << 16)
+          | (_byte(src + QH + 3, ok) << 24)).to(tl.uint32, bitcast=True)[:, None]  # (B, 1)
+    i = tl.arange(0, 16)[None, :]
+    packed = _byte(src[:, None] + QH + 4 + i, ok[:, None])  # (B, 16)
+    low_bit = ((qh >> i) & 1).to(tl.int32)
+    high_bit = ((qh >> (i + 16)) & 1).to(tl.int32)
     return (packed & 15) | (low_bit << 4), (packed >> 4) | (high_bit << 4)
 
 
@@ -171,39 +174,36 @@ def _five_bit(src, i, ok, QH: tl.constexpr):
 def _q5_0(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d: fp16, qh[4], qs[16]
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]
     src = raw + block * 22
+    d = _half(src, ok)[:, None]
     i = tl.arange(0, 16)[None, :]
-    first, second = _five_bit(src, i, ok, 2)
-    d = _half(src, ok)
-    _write(out, block * 32 + i, (first - 16).to(tl.float32) * d, ok)
-    _write(out, block * 32 + 16 + i, (second - 16).to(tl.float32) * d, ok)
+    first, second = _five_bit(src, ok, 2)
+    _write(out, block[:, None] * 32 + i, (first - 16).to(tl.float32) * d, ok[:, None])
+    _write(out, block[:, None] * 32 + 16 + i, (second - 16).to(tl.float32) * d, ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q5_1(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, m: fp16, qh[4], qs[16]; value = d * q + m
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]
     src = raw + block * 24
+    d, m = _half(src, ok)[:, None], _half(src + 2, ok)[:, None]
     i = tl.arange(0, 16)[None, :]
-    first, second = _five_bit(src, i, ok, 4)
-    d, m = _half(src, ok), _half(src + 2, ok)
-    _write(out, block * 32 + i, first.to(tl.float32) * d + m, ok)
-    _write(out, block * 32 + 16 + i, second.to(tl.float32) * d + m, ok)
+    first, second = _five_bit(src, ok, 4)
+    _write(out, block[:, None] * 32 + i, first.to(tl.float32) * d + m, ok[:, None])
+    _write(out, block[:, None] * 32 + 16 + i, second.to(tl.float32) * d + m, ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _iq4_nl(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
     # d: fp16, qs[16] as Q4_0, each nibble an index into IQ4_LEVELS
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None], ok[:, None]
     src = raw + block * 18
+    d = _half(src, ok)[:, None]
     i = tl.arange(0, 16)[None, :]
-    packed = _byte(src + 2 + i, ok)
-    d = _half(src, ok)
-    _write(out, block * 32 + i, tl.load(levels + (packed & 15)).to(tl.float32) * d, ok)
-    _write(out, block * 32 + 16 + i, tl.load(levels + (packed >> 4)).to(tl.float32) * d, ok)
+    packed = _byte(src[:, None] + 2 + i, ok[:, None])
+    _write(out, block[:, None] * 32 + i, tl.load(levels + (packed & 15)).to(tl.float32) * d, ok[:, None])
+    _write(out, block[:, None] * 32 + 16 + i, tl.load(levels + (packed >> 4)).to(tl.float32) * d, ok[:, None])
 
 
 # ---------------------------------------------------------------- 256-element K-quant super-blocks
@@ -212,21 +212,23 @@ def _iq4_nl(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q2_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # scales[16] (low nibble scale, high nibble min of each 16 elements), qs[64] 2-bit, d, dmin: fp16.
-    # Element 128h + 32j + 16c + t is field j (bits 2j, 2j+1) of qs byte 32h + 16c + t, sub-block 8h + 2j + c.
+    # Element 128h + 32j + 16c + t is field j (bits 2j, 2j+1) of qs byte 32h + 16c + t, sub-block 8h + 2j + c;
+    # the tile's middle axis is u = 2h + c.
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]  # (B, 1, 1)
     src = raw + block * 84
-    u = tl.arange(0, 4)[None, :, None]  # 2h + c
+    d, dmin = _half(src + 80, ok)[:, None], _half(src + 82, ok)[:, None]  # (B, 1)
+    u = tl.arange(0, 4)
+    h, c = (u >> 1)[None, :], (u & 1)[None, :]  # (1, 4)
     t = tl.arange(0, 16)[None, None, :]
-    h, c = u >> 1, u & 1
-    packed = _byte(src + 16 + 16 * u + t, ok)  # (B, 4, 16)
-    d, dmin = _half(src + 80, ok), _half(src + 82, ok)
+    ok3 = ok[:, None, None]
+    packed = _byte(src[:, None, None] + 16 + 16 * u[None, :, None] + t, ok3)  # (B, 4, 16)
+    at = block[:, None, None] * 256 + (128 * h + 16 * c)[:, :, None] + t
     for j in tl.static_range(4):
-        sc = _byte(src + 8 * h + 2 * j + c, ok)  # (B, 4, 1)
-        scale = d * (sc & 15).to(tl.float32)
-        low = dmin * (sc >> 4).to(tl.float32)
+        sc = _byte(src[:, None] + 8 * h + 2 * j + c, ok[:, None])  # (B, 4)
+        scale = (d * (sc & 15).to(tl.float32))[:, :, None]
+        low = (dmin * (sc >> 4).to(tl.float32))[:, :, None]
         q = ((packed >> (2 * j)) & 3).to(tl.float32)
-        _write(out, block * 256 + 128 * h + 32 * j + 16 * c + t, q * scale - low, ok)
+        _write(out, at + 32 * j, q * scale - low, ok3)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
@@ -234,23 +236,33 @@ def _q3_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # hmask[32], qs[64] 2-bit, scales[12] (16 signed 6-bit scales), d: fp16. Element 128h + 32j + 16c + t:
     # low 2 bits field j of qs byte 32h + 16c + t, bit 2 (stored inverted) bit 4h + j of hmask byte 16c + t,
     # scale k = 8h + 2j + c: low 4 bits nibble k // 8 of byte k % 8, high 2 bits field k // 4 of byte
-    # 8 + k % 4, minus 32.
+    # 8 + k % 4, minus 32. The tile's middle axis is u = 2h + c.
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]
     src = raw + block * 110
-    u = tl.arange(0, 4)[None, :, None]
+    d = _half(src + 108, ok)[:, None]
+    u = tl.arange(0, 4)
+    h, c = (u >> 1)[None, :], (u & 1)[None, :]
     t = tl.arange(0, 16)[None, None, :]
-    h, c = u >> 1, u & 1
-    packed = _byte(src + 32 + 16 * u + t, ok)  # (B, 4, 16)
-    mask = _byte(src + 16 * c + t, ok)
-    d = _half(src + 108, ok)
+    ok3 = ok[:, None, None]
+    packed = _byte(src[:, None, None] + 32 + 16 * u[None, :, None] + t, ok3)  # (B, 4, 16)
+    mask = _byte(src[:, None, None] + 16 * c[:, :, None] + t, ok3)
+    high_shift = (4 * h)[:, :, None]
+    at = block[:, None, None] * 256 + (128 * h + 16 * c)[:, :, None] + t
     for j in tl.static_range(4):
-        k = 8 * h + 2 * j + c  # (1, 4, 1)
-        low_scale = (_byte(src + 96 + (k & 7), ok) >> (4 * (k >> 3))) & 15
-        high_scale = (_byte(src + 104 + (k & 3), ok) >> (2 * (k >> 2))) & 3
-        scale = d * ((low_scale | (high_scale << 4)) - 32).to(tl.float32)
-        q = ((packed >> (2 * j)) & 3) - ((((mask >> (4 * h + j)) & 1) ^ 1) << 2)
-        _write(out, block * 256 + 128 * h + 32 * j + 16 * c + t, q.to(tl.float32) * scale, ok)
+        k = 8 * h + 2 * j + c  # (1, 4)
+        low_scale = (_byte(src[:, None] + 96 + (k & 7), ok[:, None]) >> (4 * (k >> 3))) & 15  # (B, 4)
+        high_scale = (_byte(src[:, None] + 104 + (k & 3), ok[:, None]) >> (2 * (k >> 2))) & 3
+        scale = (d * ((low_scale | (high_scale << 4)) - 32).to(tl.float32))[:, :, None]
+        q = ((packed >> (2 * j)) & 3) - ((((mask >> (high_shift + j)) & 1) ^ 1) << 2)
+        _write(out, at + 32 * j, q.to(tl.float32) * scale, ok3)
+
+
+@triton.jit
+def _k_scales(src, ok, d, dmin, S: tl.constexpr):
+    """Q4_K/Q5_K's float32 scale d * sc and offset dmin * m of sub-blocks 2j + S (j: 0-3) of the blocks at
+    `src` (B,), as (B, 4, 1) tensors."""
+    scale, low = _k_scale_min(src[:, None] + 4, 2 * tl.arange(0, 4)[None, :] + S, ok[:, None])  # (B, 4)
+    return (d * scale.to(tl.float32))[:, :, None], (dmin * low.to(tl.float32))[:, :, None]
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
@@ -258,68 +270,68 @@ def _q4_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, dmin: fp16, scales[12], qs[128]: 64-element chunks j of 32 bytes, sub-block 2j in the low nibbles,
     # 2j + 1 in the high ones
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]
     src = raw + block * 144
+    d, dmin = _half(src, ok)[:, None], _half(src + 2, ok)[:, None]  # (B, 1)
     j = tl.arange(0, 4)[None, :, None]
     i = tl.arange(0, 32)[None, None, :]
-    packed = _byte(src + 16 + 32 * j + i, ok)  # (B, 4, 32)
-    d, dmin = _half(src, ok), _half(src + 2, ok)
-    scale, low = _k_scale_min(src + 4, 2 * j, ok)  # (B, 4, 1)
-    _write(out, block * 256 + 64 * j + i,
-           (packed & 15).to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
-    scale, low = _k_scale_min(src + 4, 2 * j + 1, ok)
-    _write(out, block * 256 + 64 * j + 32 + i,
-           (packed >> 4).to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
+    ok3 = ok[:, None, None]
+    packed = _byte(src[:, None, None] + 16 + 32 * j + i, ok3)  # (B, 4, 32)
+    at = block[:, None, None] * 256 + 64 * j + i
+    scale, low = _k_scales(src, ok, d, dmin, 0)
+    _write(out, at, (packed & 15).to(tl.float32) * scale - low, ok3)
+    scale, low = _k_scales(src, ok, d, dmin, 1)
+    _write(out, at + 32, (packed >> 4).to(tl.float32) * scale - low, ok3)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q5_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # d, dmin: fp16, scales[12], qh[32] (bit 4 of element 32s + i is bit s of qh[i]), qs[128] as Q4_K
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]
     src = raw + block * 176
+    d, dmin = _half(src, ok)[:, None], _half(src + 2, ok)[:, None]
     j = tl.arange(0, 4)[None, :, None]
     i = tl.arange(0, 32)[None, None, :]
-    packed = _byte(src + 48 + 32 * j + i, ok)  # (B, 4, 32)
-    high = _byte(src + 16 + i, ok) >> (2 * j)  # (B, 4, 32)
-    d, dmin = _half(src, ok), _half(src + 2, ok)
-    scale, low = _k_scale_min(src + 4, 2 * j, ok)
-    q = (packed & 15) | ((high & 1) << 4)
-    _write(out, block * 256 + 64 * j + i,
-           q.to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
-    scale, low = _k_scale_min(src + 4, 2 * j + 1, ok)
-    q = (packed >> 4) | ((high & 2) << 3)
-    _write(out, block * 256 + 64 * j + 32 + i,
-           q.to(tl.float32) * (d * scale.to(tl.float32)) - dmin * low.to(tl.float32), ok)
+    ok3 = ok[:, None, None]
+    packed = _byte(src[:, None, None] + 48 + 32 * j + i, ok3)  # (B, 4, 32)
+    # qh[i] for every j: loaded on the (B, 4, 32) tile, so the loads share the tile's layout
+    high = _byte(tl.broadcast_to(src[:, None, None] + 16 + i, (BLOCKS, 4, 32)), ok3) >> (2 * j)
+    at = block[:, None, None] * 256 + 64 * j + i
+    scale, low = _k_scales(src, ok, d, dmin, 0)
+    _write(out, at, ((packed & 15) | ((high & 1) << 4)).to(tl.float32) * scale - low, ok3)
+    scale, low = _k_scales(src, ok, d, dmin, 1)
+    _write(out, at + 32, ((packed >> 4) | ((high & 2) << 3)).to(tl.float32) * scale - low, ok3)
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
 def _q6_k(raw, out, n_blocks, BLOCKS: tl.constexpr):
     # ql[128], qh[64], scales[16] int8, d: fp16. Element 128h + 32k + 16c + t: low 4 bits nibble k // 2 of
     # ql byte 64h + 32(k % 2) + 16c + t, high 2 bits field k of qh byte 32h + 16c + t, scale 8h + 2k + c.
+    # The tile's middle axis is u = 2h + c.
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]
     src = raw + block * 210
-    u = tl.arange(0, 4)[None, :, None]  # 2h + c
+    d = _half(src + 208, ok)[:, None]
+    u = tl.arange(0, 4)
+    h, c = (u >> 1)[None, :], (u & 1)[None, :]
     t = tl.arange(0, 16)[None, None, :]
-    h, c = u >> 1, u & 1
-    first = _byte(src + 64 * h + 16 * c + t, ok)  # (B, 4, 16)
-    second = _byte(src + 64 * h + 32 + 16 * c + t, ok)
-    high = _byte(src + 128 + 16 * u + t, ok)
-    d = _half(src + 208, ok)
-    _q6_k_quarter(out, src, block, h, c, t, first, high, d, ok, 0)
-    _q6_k_quarter(out, src, block, h, c, t, second, high, d, ok, 1)
-    _q6_k_quarter(out, src, block, h, c, t, first, high, d, ok, 2)
-    _q6_k_quarter(out, src, block, h, c, t, second, high, d, ok, 3)
+    ok3 = ok[:, None, None]
+    ql = src[:, None, None] + (64 * h + 16 * c)[:, :, None] + t
+    first, second = _byte(ql, ok3), _byte(ql + 32, ok3)  # (B, 4, 16)
+    high = _byte(src[:, None, None] + 128 + 16 * u[None, :, None] + t, ok3)
+    at = block[:, None, None] * 256 + (128 * h + 16 * c)[:, :, None] + t
+    scales = src[:, None] + 192 + 8 * h + c  # (B, 4)
+    _q6_k_quarter(out, at, scales, first, high, d, ok, 0)
+    _q6_k_quarter(out, at, scales, second, high, d, ok, 1)
+    _q6_k_quarter(out, at, scales, first, high, d, ok, 2)
+    _q6_k_quarter(out, at, scales, second, high, d, ok, 3)
 
 
 @triton.jit
-def _q6_k_quarter(out, src, block, h, c, t, packed, high, d, ok, K: tl.constexpr):
+def _q6_k_quarter(out, at, scales, packed, high, d, ok, K: tl.constexpr):
     """Elements 128h + 32K + 16c + t of Q6_K (see _q6_k); `packed` the ql bytes holding their low bits."""
     q = (((packed >> (4 * (K // 2))) & 15) | (((high >> (2 * K)) & 3) << 4)) - 32
-    sc = tl.load(src + 192 + 8 * h + 2 * K + c, mask=ok, other=0).to(tl.int8, bitcast=True)  # (B, 4, 1)
-    scale = d * sc.to(tl.float32)
-    _write(out, block * 256 + 128 * h + 32 * K + 16 * c + t, q.to(tl.float32) * scale, ok)
+    sc = tl.load(scales + 2 * K, mask=ok[:, None], other=0).to(tl.int8, bitcast=True)  # (B, 4)
+    scale = (d * sc.to(tl.float32))[:, :, None]
+    _write(out, at + 32 * K, q.to(tl.float32) * scale, ok[:, None, None])
 
 
 @triton.jit(do_not_specialize=["n_blocks"])
@@ -328,16 +340,17 @@ def _iq4_xs(raw, out, n_blocks, levels, BLOCKS: tl.constexpr):
     # scales_l[4] (nibble s % 2 of byte s // 2), qs[128]: sub-block s of 16 bytes, low nibbles first,
     # indexes into IQ4_LEVELS
     block, ok = _program_blocks(n_blocks, BLOCKS)
-    block, ok = block[:, None, None], ok[:, None, None]
     src = raw + block * 136
-    s = tl.arange(0, 8)[None, :, None]
+    s = tl.arange(0, 8)[None, :]  # (1, 8)
+    low_scale = (_byte(src[:, None] + 4 + (s >> 1), ok[:, None]) >> (4 * (s & 1))) & 15  # (B, 8)
+    high_scale = (_byte(src[:, None] + 2 + (s >> 2), ok[:, None]) >> (2 * (s & 3))) & 3
+    scale = (_half(src, ok)[:, None] * ((low_scale | (high_scale << 4)) - 32).to(tl.float32))[:, :, None]
     i = tl.arange(0, 16)[None, None, :]
-    packed = _byte(src + 8 + 16 * s + i, ok)  # (B, 8, 16)
-    low_scale = (_byte(src + 4 + (s >> 1), ok) >> (4 * (s & 1))) & 15  # (B, 8, 1)
-    high_scale = (_byte(src + 2 + (s >> 2), ok) >> (2 * (s & 3))) & 3
-    scale = _half(src, ok) * ((low_scale | (high_scale << 4)) - 32).to(tl.float32)
-    _write(out, block * 256 + 32 * s + i, tl.load(levels + (packed & 15)).to(tl.float32) * scale, ok)
-    _write(out, block * 256 + 32 * s + 16 + i, tl.load(levels + (packed >> 4)).to(tl.float32) * scale, ok)
+    ok3 = ok[:, None, None]
+    packed = _byte(src[:, None, None] + 8 + 16 * s[:, :, None] + i, ok3)  # (B, 8, 16)
+    at = block[:, None, None] * 256 + 32 * s[:, :, None] + i
+    _write(out, at, tl.load(levels + (packed & 15)).to(tl.float32) * scale, ok3)
+    _write(out, at + 16, tl.load(levels + (packed >> 4)).to(tl.float32) * scale, ok3)
 
 
 KERNELS = {
