@@ -11,7 +11,8 @@ then `- dmin * m` as its own rounding), and the float32 result is rounded to the
 nearest even, as `.to(dtype)` rounds. Kernels are launched with `enable_fp_fusion=False` so the compiler
 does not contract `q * scale - low` into one fused multiply-add, which would round once instead of twice.
 Results are then bit-identical to dequant.py's for every finite value, infinity and signed zero; a NaN
-comes out as a NaN where the reference has one (its payload bits are the hardware's).
+comes out as a NaN where the reference has one (its payload bits may differ: torch's own CUDA casts, for
+one, make other NaNs than its CPU casts). sm_90 PTX of every kernel holds mul.rn/sub.rn and no fma.
 
 A kernel is compiled once per output dtype and byte alignment, for any number of blocks (n_blocks is not
 specialised on). Launches allocate only the output (torch's caching allocator, so a CUDA graph captures
