@@ -13,7 +13,7 @@ RAM). Which weights are quantised follows stable-diffusion.cpp's rules (engine.q
 tensor_type_rules: rows of whole blocks, embedders and norms kept). Every layer dequantises its weight to
 bf16 as it runs (engine/quant/modules.py).
 
-`--dequant triton,compile,torch` (the default) runs each quantised resident point once per way of
+`--dequant triton,torch,compile` (the default) runs each quantised resident point once per way of
 dequantising (engine.quant.dequant.set_dequant_backend): "triton", the one-kernel path users get on CUDA
 (engine/quant/triton_dequant.py); "compile", the PyTorch code through torch.compile; "torch", the PyTorch
 code eagerly. The streamed point uses the first. Before the model runs, a kernel table times one FLUX-sized
@@ -72,7 +72,7 @@ from engine.telemetry import EventBus  # noqa: E402
 BUDGET = 4 * GIB  # the streamed Q4_K point
 TARGETS = {"Q8_0": 1.10, "Q4_K": 1.25}  # resident step over the unquantised (bf16) one
 STREAMED_TARGET, QUANTISE_TARGET_S = 1.10, 30.0
-BACKENDS = ("triton", "compile", "torch")  # --dequant: the ways of dequantising compared
+BACKENDS = ("triton", "torch", "compile")  # --dequant: the ways of dequantising compared
 KERNEL_SHAPE = (3072, 12288)  # the kernel table's weight: FLUX-dev's double-block MLP down projection
 COMPILED_TYPES = ("Q8_0", "Q4_K")  # the kernel table compiles the model's types only (compiles are slow)
 SWEPT_TYPES = ("Q8_0", "Q4_K", "Q6_K")
@@ -253,6 +253,10 @@ def run_point(rows: list[Row], name: str, mode: str, build: Callable[[], FluxTra
     except bench_memory.BudgetExceeded as error:
         print(f"{name}: {mode}: infeasible ({error})", file=sys.stderr)
         row = Row(name, mode, None if budget is None else budget / GIB, None, None, 0.0, None)
+    except Exception as error:  # a way of dequantising that fails here (a compile error): reported, not fatal
+        print(f"{name}: {mode}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+        release_garbage(device)
+        row = Row(name, f"{mode}: failed", None if budget is None else budget / GIB, None, None, 0.0, None)
     rows.append(row)
     print(format_table([row], header=False), flush=True)
     return row
