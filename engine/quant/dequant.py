@@ -103,7 +103,8 @@ def triton_available() -> bool:
     """Whether Triton imports here (it comes with torch's Linux CUDA wheels)."""
     try:
         from engine.quant import triton_dequant  # noqa: F401
-    except ImportError:
+    except Exception as error:  # not installed, or an install that does not import
+        log.info("no Triton dequantisation (%s: %s)", type(error).__name__, error)
         return False
     return True
 
