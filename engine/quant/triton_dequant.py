@@ -17,7 +17,8 @@ one, make other NaNs than its CPU casts). sm_90 PTX of every kernel holds mul.rn
 A kernel is compiled once per output dtype and byte alignment, for any number of blocks (n_blocks is not
 specialised on). Launches allocate only the output (torch's caching allocator, so a CUDA graph captures
 them) and never synchronise with the host. Tests run these kernels on the CPU under Triton's interpreter
-(TRITON_INTERPRET=1 set before this module is imported).
+(TRITON_INTERPRET=1 set before this module is imported), where bfloat16 is rounded on the bits (see _write);
+tests/engine/quant/test_triton_dequant_cuda.py checks the compiled kernels on a GPU.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from engine.quant.types import GGML_TYPES
 ELEMENTS_PER_PROGRAM = 2048  # elements one program writes (64 blocks of 32, or 8 super-blocks of 256)
 NUM_WARPS = 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INTERPRETED = tl.constexpr(triton.knobs.runtime.interpret)  # kernels run by Triton's CPU interpreter
 
 
 def dequantize_triton(raw: torch.Tensor, qtype: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -87,10 +89,10 @@ def _byte(ptr, ok):
 
 @triton.jit
 def _write(out, offsets, values, ok):
-    """float32 `values` rounded to out's dtype (to nearest even) at `offsets`. bfloat16 is rounded on the
-    bits (as torch's CPU cast does, a NaN becoming 0x7FC0): the GPU's conversion rounds the same, but Triton's
-    interpreter truncates, and the tests run the interpreter."""
-    if out.dtype.element_ty == tl.bfloat16:
+    """float32 `values` rounded to out's dtype (to nearest even, the GPU's cvt.rn) at `offsets`. Triton's
+    interpreter truncates float32 to bfloat16, so under it bfloat16 is rounded on the bits instead, as torch's
+    CPU cast rounds (a NaN becoming 0x7FC0)."""
+    if INTERPRETED and out.dtype.element_ty == tl.bfloat16:
         bits = values.to(tl.uint32, bitcast=True)
         rounded = tl.where(values != values, 0x7FC0, (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16)
         tl.store(out + offsets, rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=ok)
