@@ -15,11 +15,11 @@ bf16 as it runs (engine/quant/modules.py).
 
 `--dequant triton,torch,compile` (the default) runs each quantised resident point once per way of
 dequantising (engine.quant.dequant.set_dequant_backend): "triton", the one-kernel path users get on CUDA
-(engine/quant/triton_dequant.py); "compile", the PyTorch code through torch.compile; "torch", the PyTorch
-code eagerly. The streamed point uses the first. Before the model runs, a kernel table times one FLUX-sized
-weight (3072 x 12288) of every quantised type dequantised to bf16 each way, checks each result bit for bit
-against the eager PyTorch one on the same device, and sweeps the Triton kernels' program size and warps for
-the common FLUX types.
+(engine/quant/triton_dequant.py); "torch", the PyTorch code eagerly; "compile", the PyTorch code through
+torch.compile. The streamed point uses the first. Before the model runs, a kernel table times one FLUX-sized
+weight (3072 x 12288) of every quantised type dequantised to bf16 each way (compile: Q8_0 and Q4_K only),
+checks each result bit for bit against the eager PyTorch one on the same device, and sweeps the Triton
+kernels' program size and warps for the common FLUX types.
 
 Rows as bench/flux.py (bench/memory.py's table): median step (CUDA events), peak allocated and reserved GiB,
 GiB copied per step. Then issue 17's targets: Q8_0 resident <= 1.10x and Q4_K resident <= 1.25x the bf16
