@@ -4,7 +4,9 @@ scales (infinities, NaN, subnormals, largest finite, signed zeros) in float32, f
 choice point (dequant_backend) and its fallback.
 
 These run in CI on the CPU under Triton's interpreter (TRITON_INTERPRET=1, set for the kernel module while
-this file's tests run), a few blocks each; they skip where Triton is not installed."""
+this file's tests run), a few blocks each; they skip where Triton is not installed. Under the interpreter the
+kernels round to bfloat16 on the bits (the interpreter's own conversion truncates); the GPU's conversion,
+which they use when compiled, is checked on a GPU by test_triton_dequant_cuda.py."""
 
 from __future__ import annotations
 
