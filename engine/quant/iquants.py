@@ -24,7 +24,8 @@ TRIES = 7  # ggml's ntry: candidate scales (itry + IQ4_LEVELS[0]) / max for itry
 def _best_index(x: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """ggml's best_index_int8 over IQ4_LEVELS: the nearest level's index (ties to the upper one), int64.
     0 at or below the first level, 15 at or above the last; NaN gives 15 as the C's binary search does."""
-    lower = (~(x.unsqueeze(-1) < levels[1:15])).sum(dim=-1)  # the search's ml: levels 1-14 not above x
+    # the search's ml: how many of levels 1-14 are not above x (searchsorted gives 14 for NaN, as the C)
+    lower = torch.searchsorted(levels[1:15], x.contiguous(), right=True)
     below, above = levels[lower], levels[lower + 1]
     index = torch.where(x - below < above - x, lower, lower + 1)
     return torch.where(x <= levels[0], 0, torch.where(x >= levels[15], 15, index))
