@@ -3,6 +3,7 @@ Q4_K streamed under a 4 GiB budget, and the time to quantise the bf16 weights to
 
     python3 bench/quant.py          # on a GPU: full-size FLUX-dev shapes, random weights, 1024x1024, batch 1
     python3 bench/quant.py --tiny   # a CPU smoke run of the same program on a tiny FLUX-shaped model
+    python3 bench/quant.py --kernels-only   # the dequantisation kernel table alone (about a minute)
 
 Weights are random (speed does not depend on their values): bf16 as bench/memory.py draws them; Q8_0 and Q4_K
 made from those by engine.quant's quantisers on the compute device, through the loader's own path
@@ -11,6 +12,14 @@ which is the timed "quantise on load" (the file read itself is left out: the bf1
 RAM). Which weights are quantised follows stable-diffusion.cpp's rules (engine.quant.quantize's
 tensor_type_rules: rows of whole blocks, embedders and norms kept). Every layer dequantises its weight to
 bf16 as it runs (engine/quant/modules.py).
+
+`--dequant triton,torch,compile` (the default) runs each quantised resident point once per way of
+dequantising (engine.quant.dequant.set_dequant_backend): "triton", the one-kernel path users get on CUDA
+(engine/quant/triton_dequant.py); "torch", the PyTorch code eagerly; "compile", the PyTorch code through
+torch.compile. The streamed point uses the first. Before the model runs, a kernel table times one FLUX-sized
+weight (3072 x 12288) of every quantised type dequantised to bf16 each way (compile: Q8_0 and Q4_K only),
+checks each result bit for bit against the eager PyTorch one on the same device, and sweeps the Triton
+kernels' program size and warps for the common FLUX types.
 
 Rows as bench/flux.py (bench/memory.py's table): median step (CUDA events), peak allocated and reserved GiB,
 GiB copied per step. Then issue 17's targets: Q8_0 resident <= 1.10x and Q4_K resident <= 1.25x the bf16
@@ -54,13 +63,20 @@ from engine.memory.runtime import MemoryRuntime  # noqa: E402
 from engine.models.flux import FluxConfig, FluxTransformer, flux_axes_dim, flux_dev_config  # noqa: E402
 from engine.models.formats import CheckpointReader, TensorInfo  # noqa: E402
 from engine.placement import MemorySettings  # noqa: E402
+from engine.quant import dequant  # noqa: E402
 from engine.quant.loading import WeightTypes, quantise_model  # noqa: E402
 from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules  # noqa: E402
+from engine.quant.types import GGML_TYPES, QUANTIZED  # noqa: E402
 from engine.telemetry import EventBus  # noqa: E402
 
 BUDGET = 4 * GIB  # the streamed Q4_K point
 TARGETS = {"Q8_0": 1.10, "Q4_K": 1.25}  # resident step over the unquantised (bf16) one
 STREAMED_TARGET, QUANTISE_TARGET_S = 1.10, 30.0
+BACKENDS = ("triton", "torch", "compile")  # --dequant: the ways of dequantising compared
+KERNEL_SHAPE = (3072, 12288)  # the kernel table's weight: FLUX-dev's double-block MLP down projection
+COMPILED_TYPES = ("Q8_0", "Q4_K")  # the kernel table compiles the model's types only (compiles are slow)
+SWEPT_TYPES = ("Q8_0", "Q4_K", "Q6_K")
+SWEEP = ((1024, 4), (2048, 4), (4096, 4), (8192, 8))  # (elements per program, warps)
 
 
 def tiny_config() -> FluxConfig:
@@ -120,6 +136,98 @@ def quantise_on_load(build: Callable[[], FluxTransformer], bf16: dict[str, torch
     return seconds, specs, weights
 
 
+def same_values(ours: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal bits, except that a NaN need only be a NaN where `expected` has one (its payload is the
+    hardware's)."""
+    nan = expected.isnan()
+    bits = {torch.float32: torch.int32}.get(expected.dtype, torch.int16)
+    return bool(torch.equal(ours.isnan(), nan)
+                and not ((ours.view(bits) != expected.view(bits)) & ~nan).any())
+
+
+def call_ms(device: torch.device, call: Callable[[], object], calls: int = 20) -> float:
+    """Mean milliseconds of `call` over `calls` back-to-back calls (after two warm-up calls)."""
+    call()
+    call()
+    synchronize(device)
+    began = time.perf_counter()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - began) * 1e3 / calls
+
+
+def kernel_table(device: torch.device, dtype: torch.dtype, backends: list[str], tiny: bool) -> list[dict]:
+    """One weight of every quantised type dequantised each way: exactness against eager PyTorch on this
+    device, time, and bandwidth (bytes read and written over the time); then the Triton sweep."""
+    shape = (64, 512) if tiny else KERNEL_SHAPE
+    numel = shape[0] * shape[1]
+    generator = torch.Generator(device).manual_seed(0)
+    rows = []
+    print(f"\ndequantising one {shape[0]}x{shape[1]} weight to {str(dtype).removeprefix('torch.')}: "
+          "exact = bit-identical to eager PyTorch here (NaN as NaN)", flush=True)
+    print("| type | way | exact | us | GB/s |\n| --- | --- | --- | ---: | ---: |", flush=True)
+    for qtype in QUANTIZED:
+        t = GGML_TYPES[qtype]
+        raw = torch.randint(0, 256, (numel // t.block_size * t.type_size,), dtype=torch.uint8, device=device,
+                            generator=generator)  # random bytes: every scale, inf and NaN included
+        moved = raw.numel() + numel * dtype.itemsize
+        dequant.set_dequant_backend("torch")
+        expected = dequant.dequantize(raw, qtype, shape, dtype)
+        for backend in backends:
+            if backend == "compile" and qtype not in COMPILED_TYPES:
+                continue
+            dequant.set_dequant_backend(backend)
+            try:
+                exact = same_values(dequant.dequantize(raw, qtype, shape, dtype), expected)
+                ms = call_ms(device, lambda: dequant.dequantize(raw, qtype, shape, dtype))  # noqa: B023
+            except Exception as error:  # a way that fails here is reported, not fatal
+                failure = f"{type(error).__name__}: {error}"
+                print(f"| {qtype} | {backend} | failed: {failure} | - | - |", flush=True)
+                rows.append({"type": qtype, "way": backend, "error": failure})
+                continue
+            finally:
+                dequant.set_dequant_backend("auto")
+            rows.append({"type": qtype, "way": backend, "exact": exact, "us": ms * 1e3,
+                         "gb_per_s": moved / ms / 1e6})
+            print(f"| {qtype} | {backend} | {'yes' if exact else 'NO'} | {ms * 1e3:.1f} "
+                  f"| {moved / ms / 1e6:.0f} |", flush=True)
+    if "triton" in backends and device.type == "cuda":
+        rows += triton_sweep(device, dtype, shape, generator)
+    return rows
+
+
+def triton_sweep(device: torch.device, dtype: torch.dtype, shape: tuple[int, int],
+                 generator: torch.Generator) -> list[dict]:
+    """The Triton kernels' time per (elements per program, warps) for the common FLUX types."""
+    from engine.quant.triton_dequant import ELEMENTS_PER_PROGRAM, NUM_WARPS, dequantize_triton
+
+    numel = shape[0] * shape[1]
+    rows = []
+    print(f"\nTriton sweep (default {ELEMENTS_PER_PROGRAM} elements per program, {NUM_WARPS} warps): us "
+          "per weight\n| type | " + " | ".join(f"{e}/{w}" for e, w in SWEEP) + " |\n| --- |"
+          + " ---: |" * len(SWEEP), flush=True)
+    for qtype in SWEPT_TYPES:
+        t = GGML_TYPES[qtype]
+        raw = torch.randint(0, 256, (numel // t.block_size * t.type_size,), dtype=torch.uint8, device=device,
+                            generator=generator)
+        cells = []
+        for elements, warps in SWEEP:
+            ms = call_ms(device, lambda: dequantize_triton(raw, qtype, shape, dtype, elements, warps))  # noqa: B023
+            rows.append({"type": qtype, "way": f"triton {elements}/{warps}", "us": ms * 1e3,
+                         "gb_per_s": (raw.numel() + numel * dtype.itemsize) / ms / 1e6})
+            cells.append(f"{ms * 1e3:.1f}")
+        print(f"| {qtype} | " + " | ".join(cells) + " |", flush=True)
+    return rows
+
+
 def quantised_build(config: FluxConfig, dtype: torch.dtype, specs: dict[str, QuantSpec],
                     ) -> Callable[[], FluxTransformer]:
     def build() -> FluxTransformer:
@@ -145,6 +253,10 @@ def run_point(rows: list[Row], name: str, mode: str, build: Callable[[], FluxTra
     except bench_memory.BudgetExceeded as error:
         print(f"{name}: {mode}: infeasible ({error})", file=sys.stderr)
         row = Row(name, mode, None if budget is None else budget / GIB, None, None, 0.0, None)
+    except Exception as error:  # a way of dequantising that fails here (a compile error): reported, not fatal
+        print(f"{name}: {mode}: failed ({type(error).__name__}: {error})", file=sys.stderr)
+        release_garbage(device)
+        row = Row(name, f"{mode}: failed", None if budget is None else budget / GIB, None, None, 0.0, None)
     rows.append(row)
     print(format_table([row], header=False), flush=True)
     return row
@@ -154,18 +266,29 @@ def ratio(a: Row, b: Row) -> float | None:
     return None if a.step_ms is None or b.step_ms is None else a.step_ms / b.step_ms
 
 
-def check_targets(rows: dict[str, Row], quantise_s: float, tiny: bool) -> list[str]:
+def check_targets(rows: dict[str, Row], backends: list[str], quantise_s: float, tiny: bool) -> list[str]:
     lines = []
     for qtype, target in TARGETS.items():
-        r = ratio(rows[qtype], rows["bf16"])
-        shown = "-" if r is None else f"{r:.2f}x"
-        lines.append(f"{qtype} resident / unquantised resident: {shown} (target <= {target:.2f}x)")
-    r = ratio(rows["Q4_K streamed"], rows["Q4_K"])
-    lines.append(f"Q4_K at {BUDGET / GIB:.0f} GiB / Q4_K resident: {'-' if r is None else f'{r:.2f}x'} "
+        for backend in backends:
+            r = ratio(rows[f"{qtype} {backend}"], rows["bf16"])
+            shown = "-" if r is None else f"{r:.2f}x"
+            lines.append(f"{qtype} resident ({backend}) / unquantised resident: {shown} "
+                         f"(target <= {target:.2f}x)")
+    r = ratio(rows["Q4_K streamed"], rows[f"Q4_K {backends[0]}"])
+    lines.append(f"Q4_K at {BUDGET / GIB:.0f} GiB / Q4_K resident ({backends[0]}): "
+                 f"{'-' if r is None else f'{r:.2f}x'} "
                  f"(target <= {STREAMED_TARGET:.2f}x)")
     lines.append(f"quantise to Q8_0 on load: {quantise_s:.1f} s (target < {QUANTISE_TARGET_S:.0f} s"
                  f"{', full size only' if tiny else ''})")
     return lines
+
+
+def kernel_lines(kernels: list[dict]) -> list[str]:
+    """The kernel table as text lines for the log."""
+    return [f"dequant {k['type']} {k['way']}: " + (k["error"] if "error" in k else
+            f"{k['us']:.1f} us, {k['gb_per_s']:.0f} GB/s" + ("" if "exact" not in k else
+                                                            f", exact {'yes' if k['exact'] else 'NO'}"))
+            for k in kernels]
 
 
 def main() -> int:
@@ -178,13 +301,24 @@ def main() -> int:
     parser.add_argument("--side", type=int, default=128, help="latent side (128 = 1024x1024 pixels)")
     parser.add_argument("--text-tokens", type=int, default=512, help="T5 tokens (diffusers' dev default)")
     parser.add_argument("--cuda-graphs", default="auto", choices=("on", "off", "auto"))
+    parser.add_argument("--dequant", default=",".join(BACKENDS),
+                        help="ways of dequantising to compare, comma-separated, of " + ", ".join(BACKENDS)
+                        + " (the first also runs the streamed point; triton needs CUDA)")
+    parser.add_argument("--kernels-only", action="store_true", help="the dequantisation kernel table alone")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    backends = [b.strip() for b in args.dequant.split(",") if b.strip()]
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        parser.error(f"--dequant {args.dequant!r}: accepted ways are {', '.join(BACKENDS)}")
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     bench_memory.GRAPHS[0] = args.cuda_graphs
     tiny = args.tiny or device.type == "cpu"
+    if device.type != "cuda" and "triton" in backends:
+        print("note: the Triton kernels need CUDA; --dequant triton is left out here", file=sys.stderr)
+        backends = [b for b in backends if b != "triton"] or ["torch"]
     if tiny:
         torch.set_num_threads(1)
     config = tiny_config() if tiny else flux_dev_config()
@@ -194,6 +328,14 @@ def main() -> int:
     name = "FLUX-tiny" if tiny else f"FLUX.1-dev {side * 8}x{side * 8}"
     print(f"device {device}, dtype {dtype}, latent {side}x{side}, {tokens} text tokens, copy bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s", flush=True)
+    kernels = kernel_table(device, dtype, backends, tiny)
+    if args.kernels_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"quant_kernels_{device.type}_{time.strftime('%Y%m%d_%H%M%S')}.json"
+        path.write_text(json.dumps({"device": str(device), "dtype": str(dtype), "kernels": kernels},
+                                   indent=2))
+        print(f"wrote {path}")
+        return 0
     inputs = flux_inputs(config, side, tokens, dtype, device)
 
     def build() -> FluxTransformer:
@@ -210,8 +352,12 @@ def main() -> int:
     print(f"quantised {len(q8_specs)} weights to Q8_0 on load in {quantise_s:.2f} s "
           f"({weight_gib(q8):.2f} GiB)", flush=True)
     q8_build = quantised_build(config, dtype, q8_specs)
-    points["Q8_0"] = run_point(rows, name, f"Q8_0 resident ({weight_gib(q8):.2f} GiB)", q8_build, q8, inputs,
-                               device, "device", None, args)
+    for backend in backends:
+        dequant.set_dequant_backend(backend)
+        mode = f"Q8_0 resident, {backend} ({weight_gib(q8):.2f} GiB)"
+        points[f"Q8_0 {backend}"] = run_point(rows, name, mode, q8_build, q8, inputs, device, "device", None,
+                                              args)
+    dequant.set_dequant_backend("auto")
     del q8
     q4_seconds, q4_specs, q4 = quantise_on_load(build, bf16, device, "Q4_K")
     print(f"quantised {len(q4_specs)} weights to Q4_K on load in {q4_seconds:.2f} s "
@@ -219,24 +365,30 @@ def main() -> int:
     del bf16
     gc.collect()
     q4_build = quantised_build(config, dtype, q4_specs)
-    points["Q4_K"] = run_point(rows, name, f"Q4_K resident ({weight_gib(q4):.2f} GiB)", q4_build, q4, inputs,
-                               device, "device", None, args)
+    for backend in backends:
+        dequant.set_dequant_backend(backend)
+        mode = f"Q4_K resident, {backend} ({weight_gib(q4):.2f} GiB)"
+        points[f"Q4_K {backend}"] = run_point(rows, name, mode, q4_build, q4, inputs, device, "device", None,
+                                              args)
     budget = BUDGET if not tiny else int(weight_gib(q4) * GIB * 0.6)
-    streamed = f"Q4_K pinned RAM, budget {budget / GIB:.3f} GiB"
+    streamed = f"Q4_K pinned RAM, {backends[0]}, budget {budget / GIB:.3f} GiB"
+    dequant.set_dequant_backend(backends[0])
     points["Q4_K streamed"] = run_point(rows, name, streamed, q4_build, q4, inputs, device, "cpu", budget,
                                         args)
+    dequant.set_dequant_backend("auto")
     synchronize(device)
     print(format_table(rows))
-    targets = check_targets(points, quantise_s, tiny)
+    targets = check_targets(points, backends, quantise_s, tiny)
     print("\n".join(targets))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"quant_{'tiny_' if tiny else ''}{device.type}_{time.strftime('%Y%m%d_%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(
         {"device": str(device), "dtype": str(dtype), "copy_bandwidth_bytes_per_s": bandwidth,
          "quantise_q8_0_on_load_s": quantise_s, "quantise_q4_k_on_load_s": q4_seconds,
-         "rows": [asdict(r) for r in rows], "targets": targets},
+         "dequant_ways": backends, "kernels": kernels, "rows": [asdict(r) for r in rows], "targets": targets},
         indent=2))
-    stem.with_suffix(".log").write_text(format_table(rows) + "\n" + "\n".join(targets) + "\n")
+    stem.with_suffix(".log").write_text(format_table(rows) + "\n" + "\n".join(targets) + "\n"
+                                        + "".join(f"{k}\n" for k in kernel_lines(kernels)))
     print(f"wrote {stem}.json and .log")
     return 0
 

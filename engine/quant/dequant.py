@@ -7,15 +7,22 @@ which rounds exactly as `.to(dtype)` of the float32 result would.
 
 The code has no data-dependent shapes, no `.item()` and no host round trips (the small constant tables are
 made once per device), so torch.compile can fuse a type's whole dequantisation into one kernel.
+
+This PyTorch code is the reference. On CUDA, `dequantize` runs a quantised type through one Triton kernel
+instead (engine/quant/triton_dequant.py: the same float32 operations in the same order, bit-identical
+results), where Triton imports and the type has a kernel; `dequant_backend` is the one place that chooses.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from engine.quant.types import QK_K, ggml_type
+
+log = logging.getLogger(__name__)
 
 PLAIN_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # IQ4_NL / IQ4_XS: the 16 non-linear levels a 4-bit index selects (ggml-common.h kvalues_iq4nl)
@@ -45,8 +52,87 @@ def dequantize(raw: torch.Tensor, qtype: str, shape: tuple[int, ...],
                          f"got {raw.numel()}")
     if t.name in PLAIN_DTYPES:
         return raw.reshape(-1).view(PLAIN_DTYPES[t.name]).reshape(shape).to(dtype)
+    backend = dequant_backend(raw.device, t.name, dtype)
+    if backend == "triton":
+        out = _dequantize_triton(raw, t.name, shape, dtype)
+        if out is not None:
+            return out
     blocks = raw.reshape(n_blocks, t.type_size)
+    if backend == "compile":
+        import torch._inductor.config as inductor_config  # only here: importing it is slow
+
+        with inductor_config.patch(emulate_precision_casts=True):  # round where eager rounds
+            return _compiled(t.name)(blocks, dtype).reshape(shape)
     return DEQUANTIZERS[t.name](blocks, dtype).reshape(shape)
+
+
+# ---------------------------------------------------------------- which implementation
+
+BACKENDS = ("auto", "triton", "compile", "torch")
+_requested = ["auto"]  # set_dequant_backend's choice (a list: one mutable cell)
+_triton_failed: list[BaseException] = []  # the error that turned the Triton path off, if one did
+
+
+def set_dequant_backend(name: str) -> None:
+    """How quantised types are dequantised from now on, for benchmarks and debugging: "auto" (the default:
+    see dequant_backend), "triton" (the Triton kernels on any device; on the CPU only Triton's interpreter
+    runs them), "compile" (this module's PyTorch code through torch.compile, rounding as eager does) or
+    "torch" (this module's PyTorch code, eagerly)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown dequantisation backend {name!r}; accepted: {', '.join(BACKENDS)}")
+    _requested[0] = name
+
+
+def dequant_backend(device: torch.device, qtype: str, dtype: torch.dtype) -> str:
+    """Which implementation dequantises `qtype` blocks on `device` into `dtype`: "triton" (one kernel,
+    engine/quant/triton_dequant.py) where the device is CUDA, Triton imports, it has a kernel for the type
+    and dtype, and it has not failed in this process; "torch" (this module's code) otherwise, and always
+    while torch.compile traces (it fuses that code itself). set_dequant_backend can ask for another."""
+    requested = _requested[0]
+    if requested != "auto" or torch.compiler.is_compiling():
+        return requested if requested != "auto" else "torch"
+    if device.type != "cuda" or qtype in PLAIN_DTYPES or _triton_failed or not triton_available():
+        return "torch"
+    from engine.quant import triton_dequant
+
+    return "triton" if qtype in triton_dequant.KERNELS and dtype in triton_dequant.DTYPES else "torch"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (it comes with torch's Linux CUDA wheels)."""
+    try:
+        from engine.quant import triton_dequant  # noqa: F401
+    except Exception as error:  # not installed, or an install that does not import
+        log.info("no Triton dequantisation (%s: %s)", type(error).__name__, error)
+        return False
+    return True
+
+
+def _dequantize_triton(raw: torch.Tensor, qtype: str, shape: tuple[int, ...],
+                       dtype: torch.dtype) -> torch.Tensor | None:
+    """The Triton kernel's result; None, with a warning, where Triton cannot compile or launch here (no C
+    compiler or Python headers for its launcher, an unsupported GPU): the PyTorch path then serves this and
+    every later call. Out of memory is raised, as from the PyTorch path."""
+    from engine.quant import triton_dequant
+
+    try:
+        return triton_dequant.dequantize_triton(raw, qtype, shape, dtype)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        if _requested[0] != "auto":
+            raise
+        _triton_failed.append(error)
+        log.warning("Triton dequantisation failed (%s: %s); dequantising in PyTorch from now on",
+                    type(error).__name__, error)
+        return None
+
+
+@functools.cache
+def _compiled(qtype: str):
+    """DEQUANTIZERS[qtype] through torch.compile, for any number of blocks."""
+    return torch.compile(DEQUANTIZERS[qtype], dynamic=True, fullgraph=True)
 
 
 # ---------------------------------------------------------------- helpers

@@ -4,7 +4,7 @@ The arithmetic is ggml's reference quantiser (ggml-quants.c `quantize_row_*_ref`
 gguf-py's `gguf.quants.quantize` performs it, so the bytes are identical to gguf's (tests/engine/quant check
 this). Rounding: Q8_0 rounds half away from zero (C `roundf`); the other legacy types add 0.5 (Q4_1, Q5_1)
 or 8.5 / 16.5 (Q4_0, Q5_0) and truncate, then clamp. The K types (gguf-py has no quantiser for them) are
-engine.quant.kquants, byte-identical to ggml's C reference.
+engine.quant.kquants, and IQ4_NL / IQ4_XS engine.quant.iquants, both byte-identical to ggml's C reference.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.quant import kquants
+from engine.quant import iquants, kquants
 from engine.quant.types import GGML_TYPES, UnsupportedQuantTypeError, ggml_type
 
 QUANTIZABLE = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q6_K", "Q5_K", "Q4_K", "Q3_K",
-               "Q2_K")
+               "Q2_K", "IQ4_NL", "IQ4_XS")
 
 
 def quantize(x: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -133,6 +133,8 @@ QUANTIZERS = {
     "Q4_K": kquants.quantize_q4_k,
     "Q3_K": kquants.quantize_q3_k,
     "Q2_K": kquants.quantize_q2_k,
+    "IQ4_NL": iquants.quantize_iq4_nl,
+    "IQ4_XS": iquants.quantize_iq4_xs,
 }
 
 
