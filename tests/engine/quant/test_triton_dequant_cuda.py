@@ -92,4 +92,6 @@ def test_a_quant_linear_computes_through_the_kernel_by_default(monkeypatch):
     model.load_state_dict({"0.weight": raw, "0.bias": torch.randn(64, device="cuda")}, assign=True)
     x = torch.randn(4, 512, device="cuda", dtype=torch.bfloat16)
     expected = F.linear(x, torch_path(raw, "Q4_K", (64, 512), torch.bfloat16), model[0].bias.bfloat16())
-    assert torch.equal(model[0](x), expected) and calls == ["Q4_K"]
+    # exact, NaN for NaN: random scales overflow some bf16 products (found on the H200, session 17)
+    torch.testing.assert_close(model[0](x), expected, rtol=0, atol=0, equal_nan=True)
+    assert calls == ["Q4_K"]
