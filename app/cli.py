@@ -223,7 +223,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     if getattr(args, "force", False):
         workflow.settings[FORCE_KEY] = True
     apply_memory_defaults(workflow, settings)
-    errors = validate(workflow, registry.get)
+    errors = validate(workflow, registry.get, settings.output_dir)
     if errors:
         for error in errors:
             print(f"sluice: invalid: {error}", file=sys.stderr)
@@ -469,8 +469,9 @@ def _add_validate_parser(subparsers: Any, common: argparse.ArgumentParser) -> No
 def command_validate(args: argparse.Namespace) -> int:
     from engine.graph.validate import validate
 
-    registry = _registry(_settings(args))
-    errors = validate(_load_workflow(args.workflow, registry.get), registry.get)
+    settings = _settings(args)
+    registry = _registry(settings)
+    errors = validate(_load_workflow(args.workflow, registry.get), registry.get, settings.output_dir)
     for error in errors:
         print(error)
     if not errors:
