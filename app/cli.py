@@ -127,15 +127,42 @@ def apply_overrides(workflow: Workflow, overrides: list[str], lookup: Callable[[
         node.widgets[input_name] = override_value(widget.kind, value_text)
 
 
+def leave_interrupted(signum: int = signal.SIGINT, frame: Any = None) -> None:
+    """Exit 130 now, without a traceback: Ctrl+C during start-up (nothing written yet), or a second Ctrl+C
+    during a job (the abort the first one offers; a file being written then may be left partial)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.write(2, b"\nsluice: interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+@contextmanager
+def _exit_on_ctrl_c() -> Iterator[None]:
+    """While the CLI starts (imports, settings, the registry, loading the workflow), Ctrl+C exits 130 at once,
+    without a traceback; a job's own handler (_interrupt_on_ctrl_c) takes over while it runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, leave_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextmanager
 def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
-    """The first Ctrl+C asks the executor to stop; a second one raises KeyboardInterrupt as usual."""
+    """The first Ctrl+C asks the executor to stop (it stops at the next step, block or tile); a second one
+    exits 130 at once (leave_interrupted)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_sigint(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, leave_interrupted)
         print("\nsluice: interrupting (Ctrl+C again to abort)", file=sys.stderr)
         executor.interrupt()
 
@@ -144,6 +171,26 @@ def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def run_in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` on a worker thread while this (main) thread waits, so a Ctrl+C handler runs at once
+    even while the job is inside a long native call; the function's exception is raised here."""
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            outcome["error"] = error
+
+    worker = threading.Thread(target=body, name="sluice-job", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 MEMORY_FLAGS = ("backend", "params_backend", "split_mode", "max_vram", "flash_attn", "conv_direct",
@@ -240,7 +287,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     trace = ChromeTrace(args.trace, bus) if getattr(args, "trace", None) else None
     try:
         with _interrupt_on_ctrl_c(executor):
-            result = executor.run(workflow)
+            result = run_in_thread(executor.run, workflow)
     finally:
         unsubscribe()
         unsubscribe_placements()
@@ -750,20 +797,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HANDLES_CTRL_C = ("command_gui", "command_serve")  # commands with their own Ctrl+C handling
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exit_request:  # --help, or a usage error argparse already printed
-        return int(exit_request.code or 0) if not isinstance(exit_request.code, str) else EXIT_USAGE
-    handler = args.handler or (command_headless if args.headless else command_gui)
-    try:
-        return handler(args)
-    except (CommandError, SettingsError) as error:
-        print(f"sluice: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\nsluice: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `sluice nodes | head`: the reader left; silence the flush at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_FAILED
+    with _exit_on_ctrl_c():
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit_request:  # --help, or a usage error argparse already printed
+            return int(exit_request.code or 0) if not isinstance(exit_request.code, str) else EXIT_USAGE
+        handler = args.handler or (command_headless if args.headless else command_gui)
+        if handler.__name__ in HANDLES_CTRL_C:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return handler(args)
+        except (CommandError, SettingsError) as error:
+            print(f"sluice: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("\nsluice: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:  # `sluice nodes | head`: the reader left; silence the flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_FAILED
