@@ -90,13 +90,19 @@ def parse_override(text: str) -> tuple[str, str, str]:
 
 
 def override_value(kind: str, text: str) -> Any:
-    """The value of `--set`: JSON when it parses, else the text; text widgets keep unquoted text as is."""
+    """The value of `--set`: JSON when it parses (through engine.jsonfile's limits: a NaN, an integer of
+    5,000 digits or 100,000 nested lists is a CommandError), else the text; text widgets keep plain text."""
     from engine.graph.spec import COMBO, FLOAT, STRING
+    from engine.jsonfile import JsonInputError, JsonSyntaxError, load_json
 
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = load_json(text, "the value")
+    except JsonSyntaxError:
         return text
+    except JsonInputError as error:
+        if kind in (STRING, COMBO):
+            return text
+        raise CommandError(f"--set: {error}") from None
     if kind in (STRING, COMBO) and not isinstance(value, str):
         return text
     if kind == FLOAT and isinstance(value, int) and not isinstance(value, bool):
