@@ -264,7 +264,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
-    from engine.graph.job_guard import FORCE_KEY
+    from engine.graph.job_guard import FORCE_KEY, slow_job_warnings
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -281,6 +281,8 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
         for error in errors:
             print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
+    for warning in slow_job_warnings(workflow):
+        print(f"sluice: warning: this job may take long: {warning}", file=sys.stderr)
     try:
         configure_memory(args, workflow)
     except MemorySettingsError as error:
