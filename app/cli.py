@@ -90,13 +90,19 @@ def parse_override(text: str) -> tuple[str, str, str]:
 
 
 def override_value(kind: str, text: str) -> Any:
-    """The value of `--set`: JSON when it parses, else the text; text widgets keep unquoted text as is."""
+    """The value of `--set`: JSON when it parses (through engine.jsonfile's limits: a NaN, an integer of
+    5,000 digits or 100,000 nested lists is a CommandError), else the text; text widgets keep plain text."""
     from engine.graph.spec import COMBO, FLOAT, STRING
+    from engine.jsonfile import JsonInputError, JsonSyntaxError, load_json
 
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value = load_json(text, "the value")
+    except JsonSyntaxError:
         return text
+    except JsonInputError as error:
+        if kind in (STRING, COMBO):
+            return text
+        raise CommandError(f"--set: {error}") from None
     if kind in (STRING, COMBO) and not isinstance(value, str):
         return text
     if kind == FLOAT and isinstance(value, int) and not isinstance(value, bool):
@@ -127,15 +133,42 @@ def apply_overrides(workflow: Workflow, overrides: list[str], lookup: Callable[[
         node.widgets[input_name] = override_value(widget.kind, value_text)
 
 
+def leave_interrupted(signum: int = signal.SIGINT, frame: Any = None) -> None:
+    """Exit 130 now, without a traceback: Ctrl+C during start-up (nothing written yet), or a second Ctrl+C
+    during a job (the abort the first one offers; a file being written then may be left partial)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.write(2, b"\nsluice: interrupted\n")
+    os._exit(EXIT_INTERRUPTED)
+
+
+@contextmanager
+def _exit_on_ctrl_c() -> Iterator[None]:
+    """While the CLI starts (imports, settings, the registry, loading the workflow), Ctrl+C exits 130 at once,
+    without a traceback; a job's own handler (_interrupt_on_ctrl_c) takes over while it runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, leave_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @contextmanager
 def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
-    """The first Ctrl+C asks the executor to stop; a second one raises KeyboardInterrupt as usual."""
+    """The first Ctrl+C asks the executor to stop (it stops at the next step, block or tile); a second one
+    exits 130 at once (leave_interrupted)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def on_sigint(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, leave_interrupted)
         print("\nsluice: interrupting (Ctrl+C again to abort)", file=sys.stderr)
         executor.interrupt()
 
@@ -144,6 +177,26 @@ def _interrupt_on_ctrl_c(executor: Any) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def run_in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` on a worker thread while this (main) thread waits, so a Ctrl+C handler runs at once
+    even while the job is inside a long native call; the function's exception is raised here."""
+    outcome: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            outcome["value"] = function(*args)
+        except BaseException as error:  # handed to the waiting thread, which raises it
+            outcome["error"] = error
+
+    worker = threading.Thread(target=body, name="sluice-job", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 MEMORY_FLAGS = ("backend", "params_backend", "split_mode", "max_vram", "flash_attn", "conv_direct",
@@ -211,7 +264,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
-    from engine.graph.job_guard import FORCE_KEY
+    from engine.graph.job_guard import FORCE_KEY, slow_job_warnings
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -223,11 +276,13 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     if getattr(args, "force", False):
         workflow.settings[FORCE_KEY] = True
     apply_memory_defaults(workflow, settings)
-    errors = validate(workflow, registry.get)
+    errors = validate(workflow, registry.get, settings.output_dir)
     if errors:
         for error in errors:
             print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
+    for warning in slow_job_warnings(workflow):
+        print(f"sluice: warning: this job may take long: {warning}", file=sys.stderr)
     try:
         configure_memory(args, workflow)
     except MemorySettingsError as error:
@@ -240,7 +295,7 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     trace = ChromeTrace(args.trace, bus) if getattr(args, "trace", None) else None
     try:
         with _interrupt_on_ctrl_c(executor):
-            result = executor.run(workflow)
+            result = run_in_thread(executor.run, workflow)
     finally:
         unsubscribe()
         unsubscribe_placements()
@@ -469,8 +524,9 @@ def _add_validate_parser(subparsers: Any, common: argparse.ArgumentParser) -> No
 def command_validate(args: argparse.Namespace) -> int:
     from engine.graph.validate import validate
 
-    registry = _registry(_settings(args))
-    errors = validate(_load_workflow(args.workflow, registry.get), registry.get)
+    settings = _settings(args)
+    registry = _registry(settings)
+    errors = validate(_load_workflow(args.workflow, registry.get), registry.get, settings.output_dir)
     for error in errors:
         print(error)
     if not errors:
@@ -749,20 +805,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+HANDLES_CTRL_C = ("command_gui", "command_serve")  # commands with their own Ctrl+C handling
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exit_request:  # --help, or a usage error argparse already printed
-        return int(exit_request.code or 0) if not isinstance(exit_request.code, str) else EXIT_USAGE
-    handler = args.handler or (command_headless if args.headless else command_gui)
-    try:
-        return handler(args)
-    except (CommandError, SettingsError) as error:
-        print(f"sluice: {error}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("\nsluice: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `sluice nodes | head`: the reader left; silence the flush at exit
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_FAILED
+    with _exit_on_ctrl_c():
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit_request:  # --help, or a usage error argparse already printed
+            return int(exit_request.code or 0) if not isinstance(exit_request.code, str) else EXIT_USAGE
+        handler = args.handler or (command_headless if args.headless else command_gui)
+        if handler.__name__ in HANDLES_CTRL_C:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return handler(args)
+        except (CommandError, SettingsError) as error:
+            print(f"sluice: {error}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt:
+            print("\nsluice: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:  # `sluice nodes | head`: the reader left; silence the flush at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_FAILED

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.jsonfile import load_json
 from engine.telemetry import Event, EventBus
 
 SEGMENT_STATES = ("resident", "prefetching", "computing", "evicted")
@@ -391,10 +392,10 @@ def load_trace(path: str | Path) -> list[Event]:
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            data = json.loads(line)
+        try:  # engine.jsonfile's limits: deep nesting or a 5,000-digit number is an error, not a crash
+            data = load_json(line, f"trace {path} line {number}")
             event = Event(str(data["kind"]), float(data["time"]), dict(data["fields"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):  # JsonInputError is a ValueError
             raise TraceError(
                 f"{str(path)!r} line {number}: expected a JSON object with kind, time and fields "
                 f"(a trace written by MemoryModel.save_trace), got {line[:80]!r}"

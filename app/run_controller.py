@@ -16,7 +16,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtGui import QImage
-from PySide6.QtWidgets import QProgressBar
+from PySide6.QtWidgets import QMessageBox, QProgressBar, QWidget
 
 from app.canvas.commands import SetEntryCommand
 from app.canvas.scene import WorkflowScene
@@ -25,6 +25,7 @@ from app.inspector import Inspector
 from app.panels import GalleryList, QueuePanel
 from app.worker import EngineWorker
 from engine.graph.executor import JobResult, advance_seeds
+from engine.graph.job_guard import slow_job_warnings
 from engine.graph.validate import validate
 from engine.settings import with_memory_defaults
 from engine.telemetry import Event
@@ -84,6 +85,10 @@ class RunController(QObject):
         if errors:
             self.show_message(gui_message(f"Not queued: {len(errors)} problem(s); first: {errors[0]}"))
             return None
+        slow = slow_job_warnings(self.scene.workflow)
+        if slow and not self.confirm_slow_job(slow):
+            self.show_message("Not queued: the job would take long (" + "; ".join(slow) + ")")
+            return None
         self._job_number += 1
         label = f"Job {self._job_number}"
         job = self.scene.workflow.copy()
@@ -96,6 +101,16 @@ class RunController(QObject):
         self.show_message(f"{label} queued")
         self._advance_seeds()
         return job_id
+
+    def confirm_slow_job(self, warnings: list[str]) -> bool:
+        """Ask before queueing a job with steps, sizes or a batch beyond what finishes in reasonable time
+        (engine/graph/job_guard.py's slow_job_warnings); No is the default button."""
+        parent = self.parent() if isinstance(self.parent(), QWidget) else None
+        text = "This job may take a very long time:\n\n" + "\n".join(f"- {w}" for w in warnings) + \
+            "\n\nRun it anyway?"
+        buttons = QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No
+        return QMessageBox.question(parent, "Run a long job?", text, buttons,
+                                    QMessageBox.StandardButton.No) == QMessageBox.StandardButton.Yes
 
     def busy(self) -> bool:
         """Whether a job runs or waits in the queue."""

@@ -25,6 +25,11 @@ class JsonInputError(ValueError):
     """A file (or text) that is not JSON Sluice accepts; the message names it and what is accepted."""
 
 
+class JsonSyntaxError(JsonInputError):
+    """Text that is not JSON at all (as opposed to JSON over a limit); callers that take plain text too, such
+    as `sluice run --set`, fall back to the text on this error only."""
+
+
 class _Refused(Exception):
     """Raised by the parse hooks; load_json turns it into a JsonInputError."""
 
@@ -90,7 +95,7 @@ def load_json(content: str | bytes, what: str) -> Any:
         data = json.loads(content, parse_int=_parse_int, parse_float=_parse_float,
                           parse_constant=_parse_constant)
     except json.JSONDecodeError as error:
-        raise JsonInputError(f"{what}: invalid JSON at line {error.lineno}, column {error.colno}: "
+        raise JsonSyntaxError(f"{what}: invalid JSON at line {error.lineno}, column {error.colno}: "
                              f"{error.msg}") from None
     except _Refused as error:
         raise JsonInputError(f"{what}: holds {error}; accepted: {ACCEPTED}") from None

@@ -26,6 +26,8 @@ from engine.jsonfile import JsonInputError, read_json_file
 
 # Unicode categories an output prefix may not hold: control characters, line and paragraph separators.
 CONTROL_CATEGORIES = ("Cc", "Zl", "Zp")
+MAX_PREFIX_FOLDERS = 32  # folders an output prefix may nest; 2,000 made mkdir recurse past Python's limit
+MAX_PREFIX_NAME_BYTES = 200  # UTF-8 bytes of each part of a prefix: "_00001_.safetensors" must fit in 255
 
 # Model kind -> folder names under the models root (ComfyUI's layout, with its legacy aliases).
 MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
@@ -142,12 +144,29 @@ def _output_prefix_path(prefix: str) -> PurePosixPath:
     """`prefix` ('folder/name') as a relative path; SettingsError when it is not one output_path accepts."""
     if isinstance(prefix, str) and (bad := next(
             (c for c in prefix if unicodedata.category(c) in CONTROL_CATEGORIES), None)) is not None:
-        raise SettingsError(f"output prefix {prefix!r} contains the control character {bad!r}; expected "
-                            f"printable text such as 'portraits/img'")
-    relative = _safe_relative(prefix, f"output prefix {prefix!r}")
+        raise SettingsError(f"output prefix {_shown(prefix)} contains the control character {bad!r}; "
+                            f"expected printable text such as 'portraits/img'")
+    relative = _safe_relative(prefix, f"output prefix {_shown(prefix)}")
     if relative.name in ("", ".") or prefix.endswith(("/", "\\")):
-        raise SettingsError(f"output prefix {prefix!r} has no file name part (e.g. 'portraits/img')")
+        raise SettingsError(f"output prefix {_shown(prefix)} has no file name part (e.g. 'portraits/img')")
+    if len(relative.parts) - 1 > MAX_PREFIX_FOLDERS:
+        raise SettingsError(f"output prefix {_shown(prefix)} nests {len(relative.parts) - 1} folders; "
+                            f"accepted: at most {MAX_PREFIX_FOLDERS}")
+    for part in relative.parts:
+        try:
+            size = len(part.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise SettingsError(f"output prefix {_shown(prefix)} is not valid Unicode (an unpaired "
+                                f"surrogate); expected printable text such as 'portraits/img'") from None
+        if size > MAX_PREFIX_NAME_BYTES:
+            raise SettingsError(f"output prefix {_shown(prefix)} has a name of {size} bytes; accepted: "
+                                f"folder and file names of at most {MAX_PREFIX_NAME_BYTES} bytes (UTF-8)")
     return relative
+
+
+def _shown(text: str) -> str:
+    """`text` quoted, cut to 80 characters for a message."""
+    return repr(text) if len(text) <= 80 else repr(text[:80]) + f"... ({len(text)} characters)"
 
 
 def output_prefix_problem(prefix: str) -> str | None:
@@ -157,6 +176,28 @@ def output_prefix_problem(prefix: str) -> str | None:
         _output_prefix_path(prefix)
     except SettingsError as error:
         return str(error)
+    return None
+
+
+def output_dir_problem(folder: Path) -> str | None:
+    """What stops Sluice from writing into the output folder `folder` (a file or device in its place, a
+    folder this user cannot write, a parent that is not a folder), or None; makes nothing. Validation runs it
+    before a job that saves files, so a bad `--output` fails before sampling, not after."""
+    accepted = "accepted: a folder this user can write, or a path where one can be made"
+    where = f"output folder {folder} (--output, SLUICE_OUTPUT or the settings file's output_dir)"
+    if folder.exists():
+        if not folder.is_dir():
+            return f"{where} is not a folder; {accepted}"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"{where} is not writable by this user; {accepted}"
+        return None
+    parent = folder.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{where} cannot be made: {parent} is not a folder; {accepted}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{where} cannot be made: {parent} is not writable by this user; {accepted}"
     return None
 
 

@@ -10,6 +10,8 @@ ComfyUI's absolute tile size and overlap in pixels (the temporal inputs are for 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,6 +20,7 @@ from engine.graph.spec import NodeType, Output, RunContext, int_input, link_inpu
 from engine.memory.runtime import get_runtime
 from engine.memory.vae_tiling import TilingConfig
 from engine.models.bundles import VAEModel, require
+from engine.models.vae import AttnBlock, Downsample, ResnetBlock, Upsample
 
 MAX_RESOLUTION = 16384
 SD_LATENT_CHANNELS = 4
@@ -38,6 +41,23 @@ def latent_samples(latent: Any) -> torch.Tensor:
 def empty_latent(batch_size: int, channels: int, width: int, height: int) -> dict[str, torch.Tensor]:
     """A LATENT of zeros for width x height pixels: (batch_size, channels, height // 8, width // 8)."""
     return {"samples": torch.zeros(batch_size, channels, height // 8, width // 8)}
+
+
+INTERRUPT_POINTS = (ResnetBlock, AttnBlock, Upsample, Downsample)  # the VAE blocks a job may stop before
+
+
+@contextmanager
+def interruptible(vae: VAEModel, check_interrupt: Callable[[], None]) -> Iterator[VAEModel]:
+    """While inside, every block of `vae`'s autoencoder (resnet, attention, up/downsample; each tile's too)
+    calls `check_interrupt` before it runs, so an interrupted job leaves a decode within one block (about a
+    second at 1024x1024 on a CPU) instead of finishing it (tens of seconds)."""
+    handles = [module.register_forward_pre_hook(lambda module, args: check_interrupt())
+               for module in vae.autoencoder.modules() if isinstance(module, INTERRUPT_POINTS)]
+    try:
+        yield vae
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class EmptyLatentImage(NodeType):
@@ -73,7 +93,8 @@ class VAEDecode(NodeType):
     outputs = (Output("IMAGE", "IMAGE"),)
 
     def run(self, ctx: RunContext, samples: Any, vae: Any) -> tuple:
-        return (require(vae, "VAE", VAEModel).decode(latent_samples(samples), settings_tiling()),)
+        with interruptible(require(vae, "VAE", VAEModel), ctx.check_interrupt) as model:
+            return (model.decode(latent_samples(samples), settings_tiling()),)
 
 
 class VAEEncode(NodeType):
@@ -84,7 +105,8 @@ class VAEEncode(NodeType):
     outputs = (Output("LATENT", "LATENT"),)
 
     def run(self, ctx: RunContext, pixels: torch.Tensor, vae: Any) -> tuple:
-        return ({"samples": require(vae, "VAE", VAEModel).encode(pixels, settings_tiling())},)
+        with interruptible(require(vae, "VAE", VAEModel), ctx.check_interrupt) as model:
+            return ({"samples": model.encode(pixels, settings_tiling())},)
 
 
 def settings_tiling() -> TilingConfig:
@@ -117,7 +139,8 @@ class VAEDecodeTiled(NodeType):
     def run(self, ctx: RunContext, samples: Any, vae: Any, tile_size: int, overlap: int,
             temporal_size: int = 64, temporal_overlap: int = 8) -> tuple:
         vae = require(vae, "VAE", VAEModel)
-        return (vae.decode(latent_samples(samples), absolute_tiling(vae, tile_size, overlap)),)
+        with interruptible(vae, ctx.check_interrupt):
+            return (vae.decode(latent_samples(samples), absolute_tiling(vae, tile_size, overlap)),)
 
 
 class VAEEncodeTiled(NodeType):
@@ -130,7 +153,8 @@ class VAEEncodeTiled(NodeType):
     def run(self, ctx: RunContext, pixels: torch.Tensor, vae: Any, tile_size: int, overlap: int,
             temporal_size: int = 64, temporal_overlap: int = 8) -> tuple:
         vae = require(vae, "VAE", VAEModel)
-        return ({"samples": vae.encode(pixels, absolute_tiling(vae, tile_size, overlap))},)
+        with interruptible(vae, ctx.check_interrupt):
+            return ({"samples": vae.encode(pixels, absolute_tiling(vae, tile_size, overlap))},)
 
 
 NODE_TYPES = (EmptyLatentImage, EmptySD3LatentImage, VAEDecode, VAEEncode, VAEDecodeTiled, VAEEncodeTiled)

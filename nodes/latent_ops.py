@@ -31,6 +31,7 @@ from engine.graph.spec import (
 )
 from engine.images import workflow_chunks
 from engine.resize import resize
+from engine.settings import output_prefix_problem
 from nodes.image import input_dir
 from nodes.latent import MAX_RESOLUTION, latent_samples
 from nodes.loaders import current_settings
@@ -195,7 +196,8 @@ class SaveLatent(NodeType):
     description = ("Saves the latent as prefix_00001_.latent in the output folder: ComfyUI's format "
                    "(safetensors, 'latent_tensor'), with the prompt and workflow as metadata.")
     output_node = True
-    inputs = (link_input("samples", "LATENT"), string_input("filename_prefix", "latents/ComfyUI"))
+    inputs = (link_input("samples", "LATENT"),
+              string_input("filename_prefix", "latents/ComfyUI", check=output_prefix_problem))
     outputs = ()
 
     def run(self, ctx: RunContext, samples: Any, filename_prefix: str) -> tuple:

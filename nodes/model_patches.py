@@ -32,6 +32,7 @@ from engine.models.conditioning import check_conditioning
 from engine.models.model_patches import merge_simple, with_freeu_v2
 from engine.sampling.guidance import DualCFGDenoiser, PerpNegCfg, PerpNegDenoiser, RescaleCfg
 from engine.sampling.model_sampling import DISCRETE_PREDICTIONS, RectifiedFlow, discrete_model_sampling
+from engine.settings import output_prefix_problem
 from nodes.custom_sampling import Guider
 from nodes.loaders import current_settings
 
@@ -202,7 +203,7 @@ class CheckpointSave(NodeType):
                    "the output folder) in the key layout of their family, which Sluice and ComfyUI load.")
     output_node = True
     inputs = (link_input("model", "MODEL"), link_input("clip", "CLIP"), link_input("vae", "VAE"),
-              string_input("filename_prefix", "checkpoints/ComfyUI"))
+              string_input("filename_prefix", "checkpoints/ComfyUI", check=output_prefix_problem))
     outputs = ()
 
     def run(self, ctx: RunContext, model: Any, clip: Any, vae: Any, filename_prefix: str) -> tuple:
@@ -216,7 +217,8 @@ class VAESave(NodeType):
     category = "advanced/model_merging"
     description = "Saves the VAE alone (prefix_00001_.safetensors in the output folder), with bare keys."
     output_node = True
-    inputs = (link_input("vae", "VAE"), string_input("filename_prefix", "vae/ComfyUI_vae"))
+    inputs = (link_input("vae", "VAE"),
+              string_input("filename_prefix", "vae/ComfyUI_vae", check=output_prefix_problem))
     outputs = ()
 
     def run(self, ctx: RunContext, vae: Any, filename_prefix: str) -> tuple:

@@ -1,5 +1,5 @@
 """Generate images with the embedded model through Sluice's ordinary path: the default workflow, run by the
-executor with the built-in nodes. Used by the judge test and by bench/embedded_model.py.
+executor with the built-in nodes. Used by the judge test and by tools/embedded_model_bench.py.
 """
 
 from __future__ import annotations

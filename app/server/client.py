@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import sys
 import time
@@ -40,6 +39,7 @@ from app.cli import (
 from app.server.files import PathRefused, check_file_name, free_name, subfolder_path
 from app.server.main import auth_token
 from engine.graph.comfy_export import to_api_prompt
+from engine.jsonfile import JsonInputError, load_json
 from engine.settings import Settings
 from engine.telemetry import Event
 
@@ -158,7 +158,12 @@ class RemoteRun:
         async for message in ws:
             if message.type != aiohttp.WSMsgType.TEXT:
                 continue
-            parsed = json.loads(message.data)
+            try:
+                parsed = load_json(message.data, "a websocket message from the server")
+            except JsonInputError:
+                continue  # not a message of ComfyUI's protocol
+            if not isinstance(parsed, dict) or not isinstance(parsed.get("data") or {}, dict):
+                continue
             kind, data = parsed.get("type"), parsed.get("data") or {}
             if data.get("prompt_id") != self.prompt_id:
                 continue

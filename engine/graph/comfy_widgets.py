@@ -11,6 +11,7 @@ an API prompt carries `device` beside `backend`, which wins on import.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ def _to_sluice(adapter: WidgetAdapter, named: dict[str, Any], where: str,
         if renamed.comfy_name not in out:
             continue
         value = out.pop(renamed.comfy_name)
-        if value in renamed.to_sluice:
+        if isinstance(value, Hashable) and value in renamed.to_sluice:  # a list or object is not a value
             out[renamed.sluice_name] = renamed.to_sluice[value]
         else:
             accepted = ", ".join(repr(v) for v in renamed.to_sluice)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 VALIDATION_KINDS = ("unknown_type", "missing_input", "type_mismatch", "bad_value", "cycle", "no_output",
-                    "bad_link", "too_large")
+                    "bad_link", "too_large", "bad_setting")
 
 
 class WorkflowError(ValueError):

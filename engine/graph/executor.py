@@ -93,7 +93,7 @@ class Executor:
         job_id = job_id or uuid.uuid4().hex[:12]
         started = time.perf_counter()
         self._interrupt.clear()
-        errors = validate(workflow, self.lookup)
+        errors = validate(workflow, self.lookup, getattr(self.settings, "output_dir", None))
         if errors:
             self.bus.publish("job_started", job_id=job_id, node_count=0)
             return self._finish(JobResult(job_id, "invalid", errors=errors), workflow, started)

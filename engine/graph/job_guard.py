@@ -77,3 +77,32 @@ def check_job_memory(workflow: Workflow, available: int | None = None) -> list[V
         f"this job's largest image ({size}) needs about {needed / GIB:.1f} GiB of RAM, over the "
         f"{available / GIB:.1f} GiB available now; lower the size or the batch, decode in tiles "
         f"(VAEDecodeTiled), or run it anyway with `sluice run --force` (settings.{FORCE_KEY})")]
+
+
+# Beyond these a job takes minutes even on a fast GPU (and hours on a CPU): the GUI asks before running it
+# and `sluice run` warns. SD's images are 512-1024 pixels a side, 20-30 steps, a batch of 1-4.
+STEPS_WARNING = 150
+PIXELS_WARNING = 2048 * 2048
+BATCH_WARNING = 16
+
+
+def slow_job_warnings(workflow: Workflow) -> list[str]:
+    """One line per widget value beyond what finishes in reasonable time (steps, image size, batch), naming
+    the value, its node and the usual range; [] for an ordinary job. Nothing is refused here."""
+    warnings: list[str] = []
+    for node_id, node in workflow.nodes.items():
+        steps = node.widgets.get("steps")
+        if node.mode == "normal" and isinstance(steps, int) and not isinstance(steps, bool) \
+                and steps > STEPS_WARNING:
+            warnings.append(f"{steps} steps (node {node_id}, {node.type}): over {STEPS_WARNING} steps takes "
+                            f"long; 20-30 are usual")
+    width, height, batch, scale = largest_image(workflow)
+    pixels = width * height * scale * scale
+    if pixels > PIXELS_WARNING:
+        shown = f"{width}x{height}" + (f" scaled by {scale:g}" if scale > 1 else "")
+        warnings.append(f"an image of {shown} ({pixels / 1e6:.0f} megapixels): over "
+                        f"{PIXELS_WARNING / 1e6:.1f} megapixels (2048x2048) takes long; 512-1024 pixels a "
+                        f"side are usual, or upscale afterwards")
+    if batch > BATCH_WARNING:
+        warnings.append(f"a batch of {batch} images: over {BATCH_WARNING} takes long; queue several jobs")
+    return warnings

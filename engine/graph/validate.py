@@ -8,11 +8,13 @@ checked for their links but not for missing inputs or widget values, since they 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import ValidationError
 from engine.graph.job_guard import check_job_memory
+from engine.graph.run_checks import check_memory_devices, check_non_finite, check_output_folder
 from engine.graph.spec import ANY, SEED, SEED_CONTROLS, NodeType
 
 if TYPE_CHECKING:
@@ -48,10 +50,11 @@ def output_type_of(workflow: Workflow, lookup: Lookup, link: Link) -> str | None
     return cls.outputs[link.output].type
 
 
-def validate(workflow: Workflow, lookup: Lookup) -> list[ValidationError]:
+def validate(workflow: Workflow, lookup: Lookup, output_dir: Path | None = None) -> list[ValidationError]:
     """Every problem of `workflow`: unknown types, bad links, type mismatches, missing inputs, bad widget
-    values, cycles, the absence of an output node, and (when there is no other) a job too large for this
-    machine's RAM (job_guard.py)."""
+    values (non-finite numbers anywhere in them), cycles, the absence of an output node, memory settings
+    naming a device this machine lacks, an `output_dir` (when given) its saving nodes cannot write
+    (run_checks.py), and (when there is no other) a job too large for this machine's RAM (job_guard.py)."""
     errors: list[ValidationError] = []
     graph = build_graph(workflow)
     classes: dict[str, type[NodeType]] = {}
@@ -74,6 +77,10 @@ def validate(workflow: Workflow, lookup: Lookup) -> list[ValidationError]:
         if node.mode == "normal":
             errors += _check_inputs(workflow, node_id, cls, live_links)
     errors += _check_cycles(graph)
+    reported = {(error.node_id, error.input_name) for error in errors}
+    errors += check_non_finite(workflow, reported)
+    errors += check_memory_devices(workflow)
+    errors += check_output_folder(workflow, classes, output_dir)
     has_output = any(cls.output_node and workflow.nodes[node_id].mode == "normal"
                      for node_id, cls in classes.items())
     if not has_output:

@@ -129,39 +129,57 @@ class ModelInfo:
 
 # ---------------------------------------------------------------- canonical configs
 
-_SD_LEVELS = dict(
-    channel_mult=(1, 2, 4, 4),
-    num_res_blocks=2,
-    attention_levels=(0, 1, 2),
-    transformer_depth=(1, 1, 1, 0),
-    transformer_depth_middle=1,
-    model_channels=320,
-)
+# The UNet presets, from the original configs' yaml files: here beside UNetConfig, so detection compares with
+# them (CANONICAL_UNETS) and engine/models/unet.py re-exports them.
+
+
+def sd15_unet_config() -> UNetConfig:
+    """Stable Diffusion 1.x (v1-inference.yaml)."""
+    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4, 4),
+                      num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
+                      transformer_depth_middle=1, num_heads=8, num_head_channels=-1, context_dim=768,
+                      use_linear_in_transformer=False, adm_in_channels=None, num_classes=None,
+                      prediction="eps", family="sd1")
+
+
+def sd21_unet_config(prediction: str = "v") -> UNetConfig:
+    """Stable Diffusion 2.x (v2-inference-v.yaml for "v", v2-inference.yaml for "eps")."""
+    if prediction not in ("eps", "v"):
+        raise ValueError(f"unknown prediction {prediction!r} for SD2.x; accepted: eps, v")
+    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4, 4),
+                      num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
+                      transformer_depth_middle=1, num_heads=-1, num_head_channels=64, context_dim=1024,
+                      use_linear_in_transformer=True, adm_in_channels=None, num_classes=None,
+                      prediction=prediction, family="sd2")
+
+
+def sdxl_unet_config() -> UNetConfig:
+    """SDXL base 1.0 (sd_xl_base.yaml)."""
+    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4),
+                      num_res_blocks=2, attention_levels=(1, 2), transformer_depth=(0, 2, 10),
+                      transformer_depth_middle=10, num_heads=-1, num_head_channels=64, context_dim=2048,
+                      use_linear_in_transformer=True, adm_in_channels=2816, num_classes="sequential",
+                      prediction="eps", family="sdxl")
+
+
+def sdxl_refiner_unet_config() -> UNetConfig:
+    """SDXL refiner 1.0 (sd_xl_refiner.yaml)."""
+    return UNetConfig(in_channels=4, out_channels=4, model_channels=384, channel_mult=(1, 2, 4, 4),
+                      num_res_blocks=2, attention_levels=(1, 2), transformer_depth=(0, 4, 4, 0),
+                      transformer_depth_middle=4, num_heads=-1, num_head_channels=64, context_dim=1280,
+                      use_linear_in_transformer=True, adm_in_channels=2560, num_classes="sequential",
+                      prediction="eps", family="sdxl_refiner")
+
+
+UNET_PRESETS = {"sd1": sd15_unet_config, "sd2": sd21_unet_config, "sdxl": sdxl_unet_config,
+                "sdxl_refiner": sdxl_refiner_unet_config}
+# The fields a detected UNet must share with its family's preset to be that family's canonical UNet.
+CANONICAL_UNET_FIELDS = ("model_channels", "channel_mult", "num_res_blocks", "attention_levels",
+                         "transformer_depth", "transformer_depth_middle", "context_dim",
+                         "use_linear_in_transformer", "adm_in_channels")
 CANONICAL_UNETS: dict[str, dict[str, Any]] = {
-    "sd1": dict(_SD_LEVELS, context_dim=768, use_linear_in_transformer=False, adm_in_channels=None),
-    "sd2": dict(_SD_LEVELS, context_dim=1024, use_linear_in_transformer=True, adm_in_channels=None),
-    "sdxl": dict(
-        model_channels=320,
-        channel_mult=(1, 2, 4),
-        num_res_blocks=2,
-        attention_levels=(1, 2),
-        transformer_depth=(0, 2, 10),
-        transformer_depth_middle=10,
-        context_dim=2048,
-        use_linear_in_transformer=True,
-        adm_in_channels=2816,
-    ),
-    "sdxl_refiner": dict(
-        model_channels=384,
-        channel_mult=(1, 2, 4, 4),
-        num_res_blocks=2,
-        attention_levels=(1, 2),
-        transformer_depth=(0, 4, 4, 0),
-        transformer_depth_middle=4,
-        context_dim=1280,
-        use_linear_in_transformer=True,
-        adm_in_channels=2560,
-    ),
+    family: {name: getattr(preset(), name) for name in CANONICAL_UNET_FIELDS}
+    for family, preset in UNET_PRESETS.items()
 }
 CANONICAL_TEXT = {"clip_l": (768, 12, 3072), "openclip_h": (1024, 24, 4096), "openclip_g": (1280, 32, 5120)}
 CANONICAL_VAE = dict(ch=128, ch_mult=(1, 2, 4, 4), num_res_blocks=2, z_channels=4, embed_dim=4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import difflib
 import io
+import math
 import os
 import pickle
 import struct
@@ -219,7 +220,11 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
         raise CheckpointError(f"corrupt safetensors file {path}: header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"corrupt safetensors file {path}: header is not a JSON object")
-    metadata = {str(k): str(v) for k, v in (header.pop("__metadata__", None) or {}).items()}
+    raw_metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(raw_metadata, dict):
+        raise CheckpointError(f"corrupt safetensors file {path}: __metadata__ is a JSON "
+                              f"{type(raw_metadata).__name__}; accepted: an object of strings")
+    metadata = {str(k): str(v) for k, v in raw_metadata.items()}
     data_size = file_size - 8 - header_len
     tensors: dict[str, TensorInfo] = {}
     spans = []  # (begin, end, key)
@@ -256,15 +261,16 @@ def _checked_safetensors_entry(path: Path, key: str, entry: Any,
         raise CheckpointError(
             f"corrupt safetensors file {path}: bad header entry for tensor '{key}'"
         ) from None
-    if type_name not in SAFETENSORS_DTYPES:
+    if not isinstance(type_name, str) or type_name not in SAFETENSORS_DTYPES:
         raise CheckpointError(
             f"safetensors file {path}: tensor '{key}' has dtype {type_name!r}; accepted: "
             f"{', '.join(SAFETENSORS_DTYPES)}"
         )
-    if not all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end)) or end < begin:
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)) \
+            or end < begin:
         raise CheckpointError(f"corrupt safetensors file {path}: bad shape or offsets for tensor '{key}'")
     dtype = SAFETENSORS_DTYPES[type_name]
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize  # exact: dimensions of 40 digits do not wrap around
     if end - begin != nbytes:
         raise CheckpointError(
             f"corrupt safetensors file {path}: tensor '{key}' is {type_name}{list(shape)} ({nbytes} bytes) "

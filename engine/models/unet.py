@@ -30,6 +30,10 @@ from torch import nn
 
 from engine.models.attention import attention
 from engine.models.detect import UNetConfig
+from engine.models.detect import sd15_unet_config as sd15_unet_config  # the presets live beside UNetConfig;
+from engine.models.detect import sd21_unet_config as sd21_unet_config  # imported from here too
+from engine.models.detect import sdxl_refiner_unet_config as sdxl_refiner_unet_config
+from engine.models.detect import sdxl_unet_config as sdxl_unet_config
 from engine.models.staged import Stage, StagedModel, State, run_stages
 
 StageRun = Callable[[State], State]
@@ -38,49 +42,8 @@ Control = Mapping[str, Sequence[torch.Tensor | None] | None]  # "input" / "middl
 CONTROL_KINDS = ("input", "middle", "output")
 log = logging.getLogger("sluice.unet")
 
-# ---------------------------------------------------------------------------------------------- presets
-
-
-def sd15_unet_config() -> UNetConfig:
-    """Stable Diffusion 1.x (v1-inference.yaml)."""
-    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4, 4),
-                      num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
-                      transformer_depth_middle=1, num_heads=8, num_head_channels=-1, context_dim=768,
-                      use_linear_in_transformer=False, adm_in_channels=None, num_classes=None,
-                      prediction="eps", family="sd1")
-
-
-def sd21_unet_config(prediction: str = "v") -> UNetConfig:
-    """Stable Diffusion 2.x (v2-inference-v.yaml for "v", v2-inference.yaml for "eps")."""
-    if prediction not in ("eps", "v"):
-        raise ValueError(f"unknown prediction {prediction!r} for SD2.x; accepted: eps, v")
-    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4, 4),
-                      num_res_blocks=2, attention_levels=(0, 1, 2), transformer_depth=(1, 1, 1, 0),
-                      transformer_depth_middle=1, num_heads=-1, num_head_channels=64, context_dim=1024,
-                      use_linear_in_transformer=True, adm_in_channels=None, num_classes=None,
-                      prediction=prediction, family="sd2")
-
-
-def sdxl_unet_config() -> UNetConfig:
-    """SDXL base 1.0 (sd_xl_base.yaml)."""
-    return UNetConfig(in_channels=4, out_channels=4, model_channels=320, channel_mult=(1, 2, 4),
-                      num_res_blocks=2, attention_levels=(1, 2), transformer_depth=(0, 2, 10),
-                      transformer_depth_middle=10, num_heads=-1, num_head_channels=64, context_dim=2048,
-                      use_linear_in_transformer=True, adm_in_channels=2816, num_classes="sequential",
-                      prediction="eps", family="sdxl")
-
-
-def sdxl_refiner_unet_config() -> UNetConfig:
-    """SDXL refiner 1.0 (sd_xl_refiner.yaml)."""
-    return UNetConfig(in_channels=4, out_channels=4, model_channels=384, channel_mult=(1, 2, 4, 4),
-                      num_res_blocks=2, attention_levels=(1, 2), transformer_depth=(0, 4, 4, 0),
-                      transformer_depth_middle=4, num_heads=-1, num_head_channels=64, context_dim=1280,
-                      use_linear_in_transformer=True, adm_in_channels=2560, num_classes="sequential",
-                      prediction="eps", family="sdxl_refiner")
-
 
 # ---------------------------------------------------------------------------------------------- layers
-
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """Sinusoidal timestep embedding (Vaswani et al. 2017) as LDM: (B,) -> (B, dim), cosines first."""

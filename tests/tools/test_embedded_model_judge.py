@@ -1,8 +1,8 @@
 """The embedded model draws what its prompts ask for, judged automatically (tools/shapes_judge.py).
 
 16 one-shape prompts, half with colour/shape pairs never seen in training. The thresholds sit well above
-chance (background 1/8, colour 1/7, position 1/9, size 1/2) and below what bench/embedded_model.py measured
-on 40 prompts (background 100%, colour 95-100%, position 70-75%, size 78-85%).
+chance (background 1/8, colour 1/7, position 1/9, size 1/2) and below what tools/embedded_model_bench.py
+measured on 40 prompts (background 100%, colour 95-100%, position 70-75%, size 78-85%).
 """
 
 from __future__ import annotations

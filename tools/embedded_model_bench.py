@@ -1,6 +1,6 @@
 """Time and judge the embedded model on this machine: seconds per image and accuracy per attribute.
 
-    .venv/bin/python bench/embedded_model.py [--prompts 40] [--steps 20]
+    .venv/bin/python tools/embedded_model_bench.py [--prompts 40] [--steps 20]
 
 Prompts are one-shape scenes, half of them with colour/shape pairs held out of training; the judge
 (tools/shapes_judge.py) measures background, shape colour, position and (where the caption names it) size.
