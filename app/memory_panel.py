@@ -371,8 +371,7 @@ class MemoryPanel(QWidget):
         self.model = model
         self.runtime_snapshot = runtime_snapshot
         self.planned: WorkflowPlacement | None = None
-        self._ticks = 0
-        self._poll_every = max(1, round(refresh_hz / RUNTIME_POLL_HZ))
+        self._polled_at = -float("inf")  # perf_counter() of the last runtime poll
         self.setAutoFillBackground(True)
         self.setStyleSheet(f"background: {BACKGROUND}; color: {TEXT};")
         self.device_plots: dict[str, DevicePlot] = {}
@@ -440,9 +439,12 @@ class MemoryPanel(QWidget):
         self.refresh()
 
     def refresh(self, force: bool = False) -> bool:
-        """Redraw from the model if it changed (or live copies are decaying); returns whether it redrew."""
-        self._ticks += 1
-        if self.runtime_snapshot is not None and self._ticks % self._poll_every == 1 % self._poll_every:
+        """Redraw from the model if it changed (or live copies are decaying); returns whether it redrew.
+        The runtime is polled at RUNTIME_POLL_HZ by the clock, however often the timer ticks (the window
+        slows it while a job runs), and on every forced refresh."""
+        now = time.perf_counter()
+        if self.runtime_snapshot is not None and (force or now - self._polled_at >= 1 / RUNTIME_POLL_HZ):
+            self._polled_at = now
             self.model.observe_runtime(self.runtime_snapshot())
         live_decay = self.model.clock is not None and self.drawn_rate > 0
         unchanged = self.model.version == self.drawn_version and not live_decay and not self._plan_dirty
