@@ -50,7 +50,16 @@ from engine.placement import (
 
 MODULE_MIME = "application/x-sluice-module"  # a dragged chip: {"node_id": ..., "module": ...}
 AUTO = "auto"
-MODULE_COLORS = {"te": "#f5a623", "diffusion": "#4c8bf5", "vae": "#43a047", "upscaler": "#ab47bc"}
+MODULE_COLORS = {  # every kind of model the engine places (engine.placement.MODULES); the memory view's too
+    "te": "#f5a623",
+    "diffusion": "#4c8bf5",
+    "vae": "#43a047",
+    "upscaler": "#ab47bc",
+    "controlnet": "#ec407a",
+    "clip_vision": "#8d6e63",
+    "photomaker": "#26a69a",
+    "detector": "#c0ca33",
+}
 OTHER_COLOR = "#78909c"
 CARD_BACKGROUND = "#202328"
 TEXT_FIELDS = {  # MemorySettings attribute -> (label, tooltip, placeholder)

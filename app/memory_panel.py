@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.device_badges import rest_label
-from app.devices_view import DevicesView, WorkflowMemoryBinder
+from app.devices_view import MODULE_COLORS, OTHER_COLOR, DevicesView, WorkflowMemoryBinder
 from app.gui_words import BUDGET
 from app.memory_model import MemoryModel, load_trace, module_kind
 from app.trace_replay import TraceReplay
@@ -45,8 +45,7 @@ from engine.telemetry import EventBus
 BACKGROUND = "#17191c"
 AXIS = "#8d94a0"
 TEXT = "#dfe3ea"
-MODULE_COLORS = {"te": "#f5a623", "diffusion": "#4c8bf5", "vae": "#43a047", "upscaler": "#ab47bc"}
-OTHER_MODULE_COLOR = "#78909c"
+OTHER_MODULE_COLOR = OTHER_COLOR
 WORKSPACE_COLOR = "#e57373"
 USED_COLOR = "#f0f0f0"
 BUDGET_COLOR = "#ffd54f"
