@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, QRectF, Qt, QTimer, Slot
-from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import (
     QDialog,
     QDockWidget,
@@ -243,7 +243,19 @@ class SegmentBar(QWidget):
     def set_plan(self, plan: dict[str, Any] | None, rate: float = 0.0) -> None:
         self.plan = plan
         self.rate = rate
+        self.setToolTip(self.header())  # the whole line, where the bar is too narrow for it
         self.update()
+
+    def label_font(self) -> QFont:
+        font = QFont(self.font())
+        font.setPointSizeF(8.5)
+        return font
+
+    def shown_header(self) -> str:
+        """The header as drawn: elided at the right where the bar is narrower than it (a docked panel at
+        1024x700 cut the workspace and ring off mid-word)."""
+        metrics = QFontMetricsF(self.label_font())
+        return metrics.elidedText(self.header(), Qt.TextElideMode.ElideRight, self.width() - 16)
 
     def header(self) -> str:
         """The line above the boxes: the module, its device, the segments, the ring and the copy rate."""
@@ -262,9 +274,7 @@ class SegmentBar(QWidget):
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         painter.fillRect(self.rect(), QColor(BACKGROUND))
-        font = QFont(self.font())
-        font.setPointSizeF(8.5)
-        painter.setFont(font)
+        painter.setFont(self.label_font())
         painter.setPen(QColor(TEXT))
         width = self.width() - 16
         if not self.plan or not self.plan["segments"]:
@@ -272,8 +282,7 @@ class SegmentBar(QWidget):
             painter.drawText(QRectF(8, 0, width, 22), Qt.AlignmentFlag.AlignVCenter, "no segment plan yet")
             return
         segments = self.plan["segments"]
-        header = self.header()
-        painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, header)
+        painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, self.shown_header())
         x, legend_x = 8.0, 8.0
         stages = max(1, segments[-1]["stop"] - segments[0]["start"])
         for segment in segments:
@@ -390,6 +399,7 @@ class MemoryPanel(QWidget):
         side.addWidget(self.plan_label)
         self.segment_bar = SegmentBar(self)
         side.addWidget(self.segment_bar)
+        self._copied = False  # whether the model has seen a copy (the rate plot stays hidden until then)
         self.throughput_label = QLabel("copies: idle", self)
         self.throughput_label.setStyleSheet(f"color: {TEXT}; padding-left: 6px; font-size: 9pt;")
         self.throughput_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -428,9 +438,13 @@ class MemoryPanel(QWidget):
         return self.device_plots[name]
 
     def resizeEvent(self, event: Any) -> None:
-        """The copy-rate plot shows only where the panel is tall enough to keep the rest readable."""
         super().resizeEvent(event)
-        self.throughput_plot.setVisible(self.height() >= THROUGHPUT_MIN_PANEL_HEIGHT)
+        self._show_throughput_plot()
+
+    def _show_throughput_plot(self) -> None:
+        """The copy-rate plot shows once something was copied (a run that copies nothing would leave it an
+        empty frame), and only where the panel is tall enough to keep the rest readable."""
+        self.throughput_plot.setVisible(self._copied and self.height() >= THROUGHPUT_MIN_PANEL_HEIGHT)
 
     @Slot()
     def on_timer(self) -> None:
@@ -463,6 +477,8 @@ class MemoryPanel(QWidget):
         self.throughput_label.setText(
             f"copies: {format_rate(rate)} now · {format_bytes(snapshot['copied_bytes'])} in all"
             if snapshot["copied_bytes"] else "copies: none yet")
+        self._copied = bool(snapshot["copied_bytes"])
+        self._show_throughput_plot()
         self.drawn_version = snapshot["version"]
         self.drawn_rate = rate
         self._plan_dirty = False

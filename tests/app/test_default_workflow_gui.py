@@ -41,4 +41,6 @@ def test_main_window_after_a_run_at_three_sizes(qtbot, make_default_window, scre
         qtbot.wait(100)
         zoom = window.view.zoom()
         assert 8.5 * window.view.logicalDpiY() / 72 * zoom >= 9 - 1e-6
+        assert window.memory_panel.height() > 0.25 * height  # the memory view grows with the window
+        assert not window.memory_panel.throughput_plot.isVisible()  # nothing was copied: no empty plot
         screenshot(window, f"main_window_run_{width}x{height}.png")

@@ -5,10 +5,11 @@ from collections import defaultdict
 import pytest
 import torch
 from memory_trace_source import DEPTHS, ToyBlocks, record_runtime_trace
+from PySide6.QtGui import QFontMetricsF
 
 from app import memory_panel
 from app.memory_model import RUNS_KEPT, MemoryModel, TraceError, load_trace
-from app.memory_panel import DevicePlot, MemoryPanel, install_memory_views
+from app.memory_panel import DevicePlot, MemoryPanel, SegmentBar, install_memory_views
 from app.trace_replay import TraceReplay
 from app.workflow_placement import ModuleSlot, WorkflowPlacement
 from engine.memory.ledger import DeviceLedger
@@ -355,3 +356,20 @@ def test_the_planned_placement_shows_before_any_event(qtbot):
     plot = panel.device_plots["cpu"]
     assert list(plot.planned.getData()[1]) == [12.0, 12.0]  # the te's resident MiB, as planned
     assert list(plot.budget.getData()[1]) == [20.0, 20.0]
+
+
+def test_the_segment_header_is_elided_to_the_bar_and_whole_in_the_tooltip(qtbot):
+    bar = SegmentBar()
+    qtbot.addWidget(bar)
+    bar.resize(300, 64)
+    mib = 1024**2
+    plan = {"module": "diffusion", "device": "cuda0", "whole": False, "workspace": mib, "ring": 8 * mib,
+            "segments": [{"index": i, "start": i, "stop": i + 1, "weight_bytes": 1024**2, "state": "resident",
+                          "streamed": i > 2} for i in range(12)]}
+    bar.set_plan(plan, 61.45e6)
+    shown = bar.shown_header()
+    assert shown.endswith("…") and shown.startswith("diffusion on cuda0 · copying 61.45 MB/s")
+    assert QFontMetricsF(bar.label_font()).horizontalAdvance(shown) <= bar.width() - 16
+    assert bar.toolTip() == bar.header() and "stream ring 8.0 MiB" in bar.toolTip()
+    bar.resize(1400, 64)
+    assert bar.shown_header() == bar.header()

@@ -86,4 +86,5 @@ def test_a_streamed_run_under_a_budget_fills_the_memory_view(qtbot, streamed_win
     qtbot.wait(200)
     panel.refresh(force=True)
     assert plot.height() > docked_height  # the view grows with its window
+    assert panel.throughput_plot.isVisible()  # the copy rate, where there is room for it
     screenshot(dock, "memory_view_floating_second_run.png")
