@@ -164,9 +164,9 @@ class BudgetBar(QWidget):
         scale = max(self.budget or 0, resident, 1)
         x = 0.0
         for module, nbytes, kept in self.parts:
-            if not kept:
+            if not kept or nbytes <= 0:
                 continue
-            width = self.width() * nbytes / scale
+            width = max(3.0, self.width() * nbytes / scale)  # a few MiB beside a GPU's GiB still shows
             painter.fillRect(QRectF(x, 2, width, self.height() - 4),
                              QColor(MODULE_COLORS.get(module, OTHER_COLOR)))
             x += width
