@@ -50,7 +50,16 @@ from engine.placement import (
 
 MODULE_MIME = "application/x-sluice-module"  # a dragged chip: {"node_id": ..., "module": ...}
 AUTO = "auto"
-MODULE_COLORS = {"te": "#f5a623", "diffusion": "#4c8bf5", "vae": "#43a047", "upscaler": "#ab47bc"}
+MODULE_COLORS = {  # every kind of model the engine places (engine.placement.MODULES); the memory view's too
+    "te": "#f5a623",
+    "diffusion": "#4c8bf5",
+    "vae": "#43a047",
+    "upscaler": "#ab47bc",
+    "controlnet": "#ec407a",
+    "clip_vision": "#8d6e63",
+    "photomaker": "#26a69a",
+    "detector": "#c0ca33",
+}
 OTHER_COLOR = "#78909c"
 CARD_BACKGROUND = "#202328"
 TEXT_FIELDS = {  # MemorySettings attribute -> (label, tooltip, placeholder)
@@ -155,9 +164,9 @@ class BudgetBar(QWidget):
         scale = max(self.budget or 0, resident, 1)
         x = 0.0
         for module, nbytes, kept in self.parts:
-            if not kept:
+            if not kept or nbytes <= 0:
                 continue
-            width = self.width() * nbytes / scale
+            width = max(3.0, self.width() * nbytes / scale)  # a few MiB beside a GPU's GiB still shows
             painter.fillRect(QRectF(x, 2, width, self.height() - 4),
                              QColor(MODULE_COLORS.get(module, OTHER_COLOR)))
             x += width

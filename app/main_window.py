@@ -62,8 +62,11 @@ COMFY_FILTER = "ComfyUI workflows (*.json);;All files (*)"
 TRACE_FILTER = "Memory traces (*.jsonl);;All files (*)"
 # The side docks' widths as the window's changes: (share of the window's width, least, most pixels).
 SIDE_DOCK_SHARE = {"dock_nodes": (0.14, 180, 320), "dock_inspector": (0.2, 250, 480)}
+# The bottom docks' heights (the memory and Devices views, tabbed): (share of the window's height, least, most
+# pixels); the memory plots grow with the window instead of staying 100 px tall on a large screen.
+BOTTOM_DOCK_SHARE = {"dock_memory": (0.33, 230, 640), "dock_devices": (0.33, 230, 640)}
 RUN_REDRAW_MS = 250  # while a job runs, dock timers that fire more often slow to this interval
-DOCK_DRAG_SLACK = 6  # pixels a side dock may differ from the width it was given before it counts as dragged
+DOCK_DRAG_SLACK = 6  # pixels a dock may differ from the size it was given before it counts as dragged
 MINIMAP_KEY = "canvas/minimap"  # QSettings: whether the canvas shows its minimap
 TESTING_NODES_KEY = "palette/show_testing"  # QSettings: whether _for_testing nodes are offered
 
@@ -86,8 +89,9 @@ class MainWindow(QMainWindow):
         self.resize(1440, 900)
         self._build_status_bar()
         self._docks: list[QDockWidget] = []
-        self._dock_shares: dict[str, float] = {}  # side dock -> the share of the window the user gave it
-        self._dock_widths: dict[str, int] = {}  # side dock -> the width it was last given
+        self._dock_shares: dict[str, float] = {}  # dock -> the share of the window the user gave it
+        self._dock_sizes: dict[str, tuple[int, int]] = {}  # dock -> (width or height given, got)
+        self._dock_given: dict[str, int] = {}  # dock -> the width (side) or height (bottom) last given
         self._slowed_timers: list[tuple[QTimer, int]] = []  # (timer, its own interval) while a job runs
         self.view_menu: QMenu | None = None  # docks added later (add_dock) list themselves in it
         self._build_docks()
@@ -141,37 +145,58 @@ class MainWindow(QMainWindow):
         self.add_dock(self.inspector, Qt.DockWidgetArea.RightDockWidgetArea, "Inspector")
         self.add_dock(self.queue_panel, Qt.DockWidgetArea.RightDockWidgetArea, "Queue")
         self.add_dock(self.gallery, Qt.DockWidgetArea.RightDockWidgetArea, "Gallery")
-        self._size_side_docks(self.width())
+        self._size_docks(SIDE_DOCK_SHARE, self.width())
         self.resizeDocks(self._docks[1:4], [420, 160, 260], Qt.Orientation.Vertical)
 
-    def _side_docks(self) -> list[QDockWidget]:
-        return [dock for dock in self._docks if dock.objectName() in SIDE_DOCK_SHARE
-                and dock.isVisibleTo(self) and not dock.isFloating()]
+    def _following_docks(self, shares: dict[str, tuple[float, int, int]]) -> list[QDockWidget]:
+        """The docks of `shares` in the window, one of each group of tabs (they share one size)."""
+        docks: list[QDockWidget] = []
+        for dock in self._docks:
+            if (dock.objectName() in shares and dock.isVisibleTo(self) and not dock.isFloating()
+                    and not set(self.tabifiedDockWidgets(dock)) & set(docks)):
+                docks.append(dock)
+        return docks
 
-    def _size_side_docks(self, window_width: int) -> None:
-        """The palette and inspector docks at their share of the window's width: SIDE_DOCK_SHARE's, or the one
-        the user gave a dock by dragging its edge, within SIDE_DOCK_SHARE's bounds."""
-        docks = self._side_docks()
-        widths = []
+    def _size_docks(self, shares: dict[str, tuple[float, int, int]], extent: int) -> None:
+        """The docks of `shares` (SIDE_DOCK_SHARE: widths, BOTTOM_DOCK_SHARE: heights) at their share of the
+        window's `extent`: the table's, or the one the user gave a dock by dragging its edge, within the
+        table's bounds."""
+        docks = self._following_docks(shares)
+        sizes = []
         for dock in docks:
-            default, least, most = SIDE_DOCK_SHARE[dock.objectName()]
+            default, least, most = shares[dock.objectName()]
             share = self._dock_shares.get(dock.objectName(), default)
-            widths.append(int(max(least, min(most, share * window_width))))
+            sizes.append(int(max(least, min(most, share * extent))))
         if docks:
-            self.resizeDocks(docks, widths, Qt.Orientation.Horizontal)
-            self._dock_widths = {dock.objectName(): width for dock, width in zip(docks, widths, strict=True)}
+            orientation = Qt.Orientation.Horizontal if shares is SIDE_DOCK_SHARE else Qt.Orientation.Vertical
+            self.resizeDocks(docks, sizes, orientation)
+            self._dock_given.update((d.objectName(), size) for d, size in zip(docks, sizes, strict=True))
+            QTimer.singleShot(0, self._note_dock_sizes)  # once the layout has given them
+
+    @Slot()
+    def _note_dock_sizes(self) -> None:
+        """The sizes the docks got beside those they were given (a tabbed dock's height leaves out its tab
+        bar): a later difference from what they got is the user's drag."""
+        for shares, horizontal in ((SIDE_DOCK_SHARE, True), (BOTTOM_DOCK_SHARE, False)):
+            for dock in self._following_docks(shares):
+                name = dock.objectName()
+                if name in self._dock_given:
+                    got = dock.width() if horizontal else dock.height()
+                    self._dock_sizes[name] = (self._dock_given[name], got)
 
     def resizeEvent(self, event: Any) -> None:
-        """Side docks grow and shrink with the window (see _size_side_docks)."""
-        old, new = event.oldSize().width(), event.size().width()
+        """Side docks grow and shrink with the window's width, bottom docks with its height (_size_docks)."""
         super().resizeEvent(event)
-        if old <= 0 or new <= 0 or old == new:
-            return
-        for dock in self._side_docks():
-            applied = self._dock_widths.get(dock.objectName())
-            if applied is not None and abs(dock.width() - applied) > DOCK_DRAG_SLACK:  # the user dragged it
-                self._dock_shares[dock.objectName()] = dock.width() / old
-        self._size_side_docks(new)
+        for shares, old, new in ((SIDE_DOCK_SHARE, event.oldSize().width(), event.size().width()),
+                                 (BOTTOM_DOCK_SHARE, event.oldSize().height(), event.size().height())):
+            if old <= 0 or new <= 0 or old == new:
+                continue
+            for dock in self._following_docks(shares):
+                given, got = self._dock_sizes.get(dock.objectName(), (0, None))
+                size = dock.width() if shares is SIDE_DOCK_SHARE else dock.height()
+                if got is not None and abs(size - got) > DOCK_DRAG_SLACK:  # the user dragged it
+                    self._dock_shares[dock.objectName()] = (size + given - got) / old
+            self._size_docks(shares, new)
 
     def _action(self, text: str, slot: Any, shortcut: Any = None, icon: str | None = None,
                 canvas_only: bool = False) -> QAction:
@@ -542,9 +567,7 @@ class MainWindow(QMainWindow):
 
     @Slot()
     def _size_docks_for_first_start(self) -> None:
-        memory_dock = self.findChild(QDockWidget, "dock_memory")
-        if memory_dock is not None:
-            self.resizeDocks([memory_dock], [max(220, self.height() // 3)], Qt.Orientation.Vertical)
+        self._size_docks(BOTTOM_DOCK_SHARE, self.height())
 
     def _save_layout(self) -> None:
         self.app_settings.setValue("window/geometry", self.saveGeometry())

@@ -34,7 +34,7 @@ from engine.jsonfile import load_json
 from engine.telemetry import Event, EventBus
 
 SEGMENT_STATES = ("resident", "prefetching", "computing", "evicted")
-PANEL_MODULES = ("te", "diffusion", "vae", "upscaler")  # stacked in this order; others follow
+PANEL_MODULES = ("te", "clip_vision", "diffusion", "controlnet", "vae", "upscaler")  # in stacking order
 KIND_LEDGER_SNAPSHOT = "ledger_snapshot"
 THROUGHPUT_WINDOW = 1.0  # seconds of transfers the copy throughput averages over
 COALESCE_SECONDS = 0.002  # samples closer than this replace the previous one (bounds the series)
@@ -373,7 +373,7 @@ def module_kind(module: str) -> str:
 
 
 def _ordered_modules(modules: set[str]) -> list[str]:
-    """Stacking order: te, diffusion, vae, upscaler (and their numbered siblings), then the rest."""
+    """Stacking order: PANEL_MODULES (each with its numbered siblings), then the rest."""
     def rank(module: str) -> tuple:
         kind = module_kind(module)
         return (PANEL_MODULES.index(kind) if kind in PANEL_MODULES else len(PANEL_MODULES), module)

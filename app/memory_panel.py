@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, QRectF, Qt, QTimer, Slot
-from PySide6.QtGui import QColor, QFont, QPainter, QPen
+from PySide6.QtGui import QColor, QFont, QFontMetricsF, QPainter, QPen
 from PySide6.QtWidgets import (
     QDialog,
     QDockWidget,
@@ -33,7 +33,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.device_badges import rest_label
-from app.devices_view import DevicesView, WorkflowMemoryBinder
+from app.devices_view import MODULE_COLORS, OTHER_COLOR, DevicesView, WorkflowMemoryBinder
 from app.gui_words import BUDGET
 from app.memory_model import MemoryModel, load_trace, module_kind
 from app.trace_replay import TraceReplay
@@ -45,8 +45,7 @@ from engine.telemetry import EventBus
 BACKGROUND = "#17191c"
 AXIS = "#8d94a0"
 TEXT = "#dfe3ea"
-MODULE_COLORS = {"te": "#f5a623", "diffusion": "#4c8bf5", "vae": "#43a047", "upscaler": "#ab47bc"}
-OTHER_MODULE_COLOR = "#78909c"
+OTHER_MODULE_COLOR = OTHER_COLOR
 WORKSPACE_COLOR = "#e57373"
 USED_COLOR = "#f0f0f0"
 BUDGET_COLOR = "#ffd54f"
@@ -244,7 +243,19 @@ class SegmentBar(QWidget):
     def set_plan(self, plan: dict[str, Any] | None, rate: float = 0.0) -> None:
         self.plan = plan
         self.rate = rate
+        self.setToolTip(self.header())  # the whole line, where the bar is too narrow for it
         self.update()
+
+    def label_font(self) -> QFont:
+        font = QFont(self.font())
+        font.setPointSizeF(8.5)
+        return font
+
+    def shown_header(self) -> str:
+        """The header as drawn: elided at the right where the bar is narrower than it (a docked panel at
+        1024x700 cut the workspace and ring off mid-word)."""
+        metrics = QFontMetricsF(self.label_font())
+        return metrics.elidedText(self.header(), Qt.TextElideMode.ElideRight, self.width() - 16)
 
     def header(self) -> str:
         """The line above the boxes: the module, its device, the segments, the ring and the copy rate."""
@@ -263,9 +274,7 @@ class SegmentBar(QWidget):
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
         painter.fillRect(self.rect(), QColor(BACKGROUND))
-        font = QFont(self.font())
-        font.setPointSizeF(8.5)
-        painter.setFont(font)
+        painter.setFont(self.label_font())
         painter.setPen(QColor(TEXT))
         width = self.width() - 16
         if not self.plan or not self.plan["segments"]:
@@ -273,8 +282,7 @@ class SegmentBar(QWidget):
             painter.drawText(QRectF(8, 0, width, 22), Qt.AlignmentFlag.AlignVCenter, "no segment plan yet")
             return
         segments = self.plan["segments"]
-        header = self.header()
-        painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, header)
+        painter.drawText(QRectF(8, 0, width, 20), Qt.AlignmentFlag.AlignVCenter, self.shown_header())
         x, legend_x = 8.0, 8.0
         stages = max(1, segments[-1]["stop"] - segments[0]["start"])
         for segment in segments:
@@ -371,8 +379,7 @@ class MemoryPanel(QWidget):
         self.model = model
         self.runtime_snapshot = runtime_snapshot
         self.planned: WorkflowPlacement | None = None
-        self._ticks = 0
-        self._poll_every = max(1, round(refresh_hz / RUNTIME_POLL_HZ))
+        self._polled_at = -float("inf")  # perf_counter() of the last runtime poll
         self.setAutoFillBackground(True)
         self.setStyleSheet(f"background: {BACKGROUND}; color: {TEXT};")
         self.device_plots: dict[str, DevicePlot] = {}
@@ -392,6 +399,7 @@ class MemoryPanel(QWidget):
         side.addWidget(self.plan_label)
         self.segment_bar = SegmentBar(self)
         side.addWidget(self.segment_bar)
+        self._copied = False  # whether the model has seen a copy (the rate plot stays hidden until then)
         self.throughput_label = QLabel("copies: idle", self)
         self.throughput_label.setStyleSheet(f"color: {TEXT}; padding-left: 6px; font-size: 9pt;")
         self.throughput_label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
@@ -430,9 +438,13 @@ class MemoryPanel(QWidget):
         return self.device_plots[name]
 
     def resizeEvent(self, event: Any) -> None:
-        """The copy-rate plot shows only where the panel is tall enough to keep the rest readable."""
         super().resizeEvent(event)
-        self.throughput_plot.setVisible(self.height() >= THROUGHPUT_MIN_PANEL_HEIGHT)
+        self._show_throughput_plot()
+
+    def _show_throughput_plot(self) -> None:
+        """The copy-rate plot shows once something was copied (a run that copies nothing would leave it an
+        empty frame), and only where the panel is tall enough to keep the rest readable."""
+        self.throughput_plot.setVisible(self._copied and self.height() >= THROUGHPUT_MIN_PANEL_HEIGHT)
 
     @Slot()
     def on_timer(self) -> None:
@@ -440,9 +452,12 @@ class MemoryPanel(QWidget):
         self.refresh()
 
     def refresh(self, force: bool = False) -> bool:
-        """Redraw from the model if it changed (or live copies are decaying); returns whether it redrew."""
-        self._ticks += 1
-        if self.runtime_snapshot is not None and self._ticks % self._poll_every == 1 % self._poll_every:
+        """Redraw from the model if it changed (or live copies are decaying); returns whether it redrew.
+        The runtime is polled at RUNTIME_POLL_HZ by the clock, however often the timer ticks (the window
+        slows it while a job runs), and on every forced refresh."""
+        now = time.perf_counter()
+        if self.runtime_snapshot is not None and (force or now - self._polled_at >= 1 / RUNTIME_POLL_HZ):
+            self._polled_at = now
             self.model.observe_runtime(self.runtime_snapshot())
         live_decay = self.model.clock is not None and self.drawn_rate > 0
         unchanged = self.model.version == self.drawn_version and not live_decay and not self._plan_dirty
@@ -462,6 +477,8 @@ class MemoryPanel(QWidget):
         self.throughput_label.setText(
             f"copies: {format_rate(rate)} now · {format_bytes(snapshot['copied_bytes'])} in all"
             if snapshot["copied_bytes"] else "copies: none yet")
+        self._copied = bool(snapshot["copied_bytes"])
+        self._show_throughput_plot()
         self.drawn_version = snapshot["version"]
         self.drawn_rate = rate
         self._plan_dirty = False

@@ -33,6 +33,7 @@ from nodes.registry import NodeRegistry
 
 IMAGE_EVENTS = ("image_saved", "image_preview")
 PROGRESS_BAR_MS = 100  # the overall progress bar moves at most this often (see _set_progress)
+EVENTS_MS = 60  # the window takes the engine's events at most this often while a job runs (app/worker.py)
 
 
 class RunController(QObject):
@@ -64,6 +65,8 @@ class RunController(QObject):
         self._progress_value = 0
         self._progress_timer = QTimer(self, singleShot=True, interval=PROGRESS_BAR_MS)
         self._progress_timer.timeout.connect(self._show_progress)
+        self._events_timer = QTimer(self, singleShot=True, interval=EVENTS_MS)
+        self._events_timer.timeout.connect(self.take_events)
         self.worker = EngineWorker(registry.get, settings)
         self.worker.relay.events_ready.connect(self.on_events_ready)
         self.worker.job_started.connect(self.on_job_started)
@@ -144,6 +147,7 @@ class RunController(QObject):
 
     @Slot(str, str, object)
     def on_job_finished(self, job_id: str, status: str, result: JobResult) -> None:
+        self.take_events()  # the job's last events first
         self.statuses[job_id] = status
         self.queue_panel.set_job(job_id, self.labels.get(job_id, job_id), status)
         self.scene.clear_run_state()
@@ -160,6 +164,15 @@ class RunController(QObject):
 
     @Slot()
     def on_events_ready(self) -> None:
+        """The relay has events: take them a moment later, so that a fast job's progress and previews are
+        drawn a few times a second, not once per step (each drawing is time the GUI thread takes from the
+        engine)."""
+        if not self._events_timer.isActive():
+            self._events_timer.start()
+
+    @Slot()
+    def take_events(self) -> None:
+        self._events_timer.stop()
         for event in self.worker.relay.take_events():
             self.on_event(event)
 

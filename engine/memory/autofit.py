@@ -85,7 +85,7 @@ class Choice:
 @dataclass(frozen=True)
 class AutoFitPlan:
     choices: tuple[Choice, ...]
-    budgets: dict[str, int | None]  # planning room per device name ("cpu" = RAM); None = not queried
+    budgets: dict[str, int | None]  # planning room per device ("cpu": a managed budget, else RAM); None: n/a
 
     def choice(self, name: str) -> Choice:
         for choice in self.choices:
@@ -242,7 +242,7 @@ def plan_placements(
             choices.append(Choice(need, others[0], f"fits neither on {gpu} nor in RAM; {others[0]} has room"))
             continue
         choices.append(Choice(need, "disk", "fits on no GPU and not in RAM"))
-    budgets: dict[str, int | None] = {**gpu_room, "cpu": ram_room}
+    budgets: dict[str, int | None] = {"cpu": ram_room, **gpu_room}  # a managed CPU budget is the CPU's room
     return AutoFitPlan(tuple(choices), budgets)
 
 

@@ -27,7 +27,7 @@ from engine.graph.spec import (  # noqa: E402
 )
 from engine.settings import Settings  # noqa: E402
 from engine.telemetry import bus  # noqa: E402
-from nodes.registry import NodeRegistry  # noqa: E402
+from nodes.registry import NodeRegistry, default_registry  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
 RELEASE_SLEEPER = threading.Event()  # GuiSleep runs until this is set (or it is interrupted)
@@ -185,9 +185,7 @@ def make_window(qtbot, app_data, settings, registry, monkeypatch):
     windows = []  # strong references: qtbot keeps only weak ones, and a window collected mid-paint crashes
 
     def make(**options):
-        window = main_window.MainWindow(settings, registry, **options)
-        window.prompt_unsaved = lambda: "discard"
-        window.confirm_close_during_run = lambda: True  # a test may end with a job still running
+        window = never_prompting(main_window.MainWindow(settings, registry, **options))
         windows.append(window)
         window.show()
         qtbot.waitExposed(window)
@@ -198,6 +196,41 @@ def make_window(qtbot, app_data, settings, registry, monkeypatch):
     for window in windows:
         window.close()
         window.deleteLater()  # deleted now, not whenever the garbage collector finds the window
+    QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
+
+
+def never_prompting(window):
+    """`window`, made to answer its own questions: unsaved changes are discarded and closing during a run
+    goes ahead (a test that fails or ends with a job running would otherwise wait on a modal dialog)."""
+    window.prompt_unsaved = lambda: "discard"
+    window.confirm_close_during_run = lambda: True
+    return window
+
+
+@pytest.fixture
+def make_default_window(qtbot, app_data, tmp_path):
+    """Build a shown MainWindow on the default registry (the real nodes, the default workflow, the embedded
+    model); it never prompts, and teardown closes it, interrupting a job still running."""
+    from app import main_window, theme
+
+    theme.apply_dark_theme(qtbot_app())
+    windows = []
+
+    def make(models_root: Path | None = None, size: tuple[int, int] | None = None):
+        settings = Settings(models_root=models_root or tmp_path / "models", output_dir=tmp_path / "output",
+                            plugins_dir=None)
+        window = never_prompting(main_window.MainWindow(settings, default_registry(settings)))
+        windows.append(window)
+        if size is not None:
+            window.resize(*size)
+        window.show()
+        qtbot.waitExposed(window)
+        return window
+
+    yield make
+    for window in windows:
+        window.close()
+        window.deleteLater()
     QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
 

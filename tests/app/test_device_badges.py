@@ -1,8 +1,10 @@
 import pytest
 import torch
-from PySide6.QtGui import QImage, QPainter
+from PySide6.QtCore import QEvent, QPointF, QRectF
+from PySide6.QtGui import QColor, QImage, QPainter
+from PySide6.QtWidgets import QGraphicsSceneHoverEvent
 
-from app.canvas.node_item import _badge_font
+from app.canvas.node_item import TITLE_HEIGHT, _badge_font
 from app.canvas.scene import WorkflowScene
 from app.device_badges import CPU_COLOR, ERROR_COLOR, badge_for, device_color, node_badge
 from app.inspector import Inspector
@@ -176,3 +178,43 @@ def test_an_upscaler_loader_also_picks_its_device_from_the_list(qtbot, embedded_
     compute.setCurrentIndex(compute.findData("cpu"))
     compute.activated.emit(compute.currentIndex())
     assert scene.workflow.nodes[node_id].widgets["backend"] == "cpu"
+
+
+def test_the_node_on_the_canvas_is_flagged_with_the_reason_as_soon_as_the_inspector_sets_it(
+        qtbot, make_default_window):
+    """In the window, before any Queue: the Inspector's choice that cannot work paints the node's badge red
+    and puts the reason in the node's tooltip; undo takes both back."""
+    window = make_default_window(models_root=resources_dir() / "models", size=(1600, 1000))
+    scene = window.scene
+    scene.workflow.settings["memory"] = {"max_vram": "cpu=0.02"}  # the UNet (26 MiB) must stream on the CPU
+    scene.document_changed.emit()
+    item = scene.node_items["1"]
+    window.view.centerOn(item)
+    qtbot.wait(50)
+
+    def red_pixels() -> int:  # in the node's title bar, where the badge is painted
+        title = item.mapRectToScene(QRectF(0, 0, item.width, TITLE_HEIGHT))
+        title = window.view.mapFromScene(title).boundingRect()
+        image = window.view.viewport().grab(title).toImage()
+        colors = (QColor(image.pixel(x, y)) for y in range(image.height()) for x in range(image.width()))
+        return sum(1 for c in colors if c.red() > 200 and c.green() < 120 and c.blue() < 120)
+
+    assert item.badge().error is None
+    before = red_pixels()  # a port or wire may be red already
+    scene.clearSelection()
+    item.setSelected(True)
+    rest = window.inspector.editors["params_backend"]
+    rest.setCurrentIndex(rest.findData("device"))
+    rest.activated.emit(rest.currentIndex())
+    assert scene.workflow.nodes["1"].widgets["params_backend"] == "device"
+    qtbot.waitUntil(lambda: red_pixels() > before + 20, timeout=2000)  # painted without a Queue
+    badge = item.badge()
+    assert badge.text == "⚠ over budget" and "20.5 MiB" in badge.error and "--" not in badge.error
+    hover = QGraphicsSceneHoverEvent(QEvent.Type.GraphicsSceneHoverMove)
+    hover.setPos(QPointF(10, 5))  # on the title: its tooltip shows
+    item.hoverMoveEvent(hover)
+    assert badge.tooltip in item.toolTip()
+    assert not window.runs.statuses  # nothing was queued
+    scene.undo_stack.undo()
+    qtbot.waitUntil(lambda: red_pixels() == before, timeout=2000)
+    assert item.badge().error is None

@@ -1,19 +1,23 @@
 import pytest
 import torch
 from PySide6.QtCore import QPointF, Qt
-from PySide6.QtGui import QDragEnterEvent, QDropEvent
+from PySide6.QtGui import QColor, QDragEnterEvent, QDropEvent
 from PySide6.QtWidgets import QApplication
 
-from app import theme
+from app import memory_panel, theme
 from app.canvas.scene import WorkflowScene
-from app.devices_view import DevicesView, WorkflowMemoryBinder
+from app.device_badges import ERROR_COLOR
+from app.devices_view import MODULE_COLORS, OTHER_COLOR, DevicesView, WorkflowMemoryBinder
 from app.gui_words import gui_message
+from app.memory_model import MemoryModel
+from app.memory_panel import WORKSPACE_COLOR
 from app.session import load_workflow_file
 from app.workflow_placement import PlacementCache
 from engine.devices import GIB, ComputeDevice
 from engine.graph.document import NodeDoc
-from engine.placement import MemorySettings, PlacementError, parse_max_vram, placement_for
+from engine.placement import MODULES, MemorySettings, PlacementError, parse_max_vram, placement_for
 from engine.settings import Settings, resources_dir
+from engine.telemetry import Event
 from nodes.loaders import CLIPLoader, VAELoader
 from nodes.registry import default_registry
 
@@ -189,3 +193,17 @@ def test_binder_applies_edits_to_the_workflow_undoably(qtbot, registry):
     assert scene.workflow.settings["memory"] == {}
     assert view.fields["backend"].text() == "auto"
     assert [c.slot.module for c in view.card("cuda0").chips] == ["vae"]
+
+
+def test_every_kind_of_model_the_engine_places_has_a_colour_of_its_own():
+    assert set(MODULE_COLORS) == set(MODULES)
+    reserved = {OTHER_COLOR, ERROR_COLOR, WORKSPACE_COLOR}  # "another model", "cannot work", workspace
+    colours = [QColor(c).name() for c in MODULE_COLORS.values()]
+    assert len(set(colours)) == len(colours) and not set(colours) & {QColor(c).name() for c in reserved}
+    assert memory_panel.MODULE_COLORS is MODULE_COLORS  # the memory view stacks them in the same colours
+    model = MemoryModel()
+    for when, module in enumerate(("controlnet", "zeta", "te#2", "diffusion", "te", "clip_vision")):
+        model.handle(Event("ledger", when, {"device": "cpu", "module": module, "allocation": "weights",
+                                            "key": module, "delta": 10, "tracked": 10 * (when + 1)}))
+    stacked = list(model.snapshot()["devices"]["cpu"]["series"]["weights"])
+    assert stacked == ["te", "clip_vision", "diffusion", "controlnet", "zeta"]  # bottom to top

@@ -97,6 +97,31 @@ def test_fast_dock_timers_slow_down_while_a_job_runs(make_window, qtbot, release
     assert redraw.interval() == 33 and redraw.isActive()
 
 
+def test_the_window_takes_the_engines_events_a_few_times_a_second_and_all_of_them_at_the_end(
+        make_window, qtbot, release_sleeper):
+    """GuiSleep reports progress every 5 ms; the window takes them at most every EVENTS_MS (each taking
+    draws, and drawing is time the GUI thread takes from the engine), and the job's last events before its
+    end."""
+    from app.run_controller import EVENTS_MS
+
+    window = make_window()
+    relay = window.runs.worker.relay
+    taken = []
+    take_events = relay.take_events
+    relay.take_events = lambda: taken.append(take_events()) or taken[-1]
+    sleeper = window.scene.add_node("GuiSleep", (0, 0))
+    job_id = window.queue()
+    qtbot.waitUntil(lambda: window.scene.node_items[sleeper].running, timeout=TIMEOUT_MS)
+    taken.clear()
+    qtbot.wait(20 * EVENTS_MS)
+    assert 5 <= len(taken) <= 20 + 2  # about one batch per EVENTS_MS, not one per progress report
+    assert max(len(batch) for batch in taken) <= 2  # the latest progress only (and a preview, if any)
+    release_sleeper.set()
+    qtbot.waitUntil(lambda: window.runs.statuses.get(job_id) == "finished", timeout=TIMEOUT_MS)
+    assert [event.kind for event in taken[-1]][-1] == "job_finished"  # taken before the job's end is shown
+    assert not window.scene.node_items[sleeper].running
+
+
 SHOWN_CHILD = """
 import json, sys
 from PySide6.QtCore import QEvent, QObject, QTimer

@@ -118,3 +118,22 @@ def test_for_testing_nodes_are_hidden_unless_asked_for(make_window, registry):
     window.set_document(workflow, None)
     assert window.scene.node_items["1"].node_type is Experimental
     assert isinstance(window.scene.node_items["1"].boundingRect(), QRectF)
+
+
+def test_the_memory_dock_keeps_its_share_of_the_window_height(make_window, qtbot):
+    window = make_window()
+    memory_dock = window.findChild(QDockWidget, "dock_memory")
+    heights = {}
+    for width, height in ((1024, 700), (2560, 1440), (1600, 1000), (1024, 700)):
+        window.resize(width, height)
+        qtbot.wait(50)
+        heights[height] = memory_dock.height()
+        assert 0.25 * height <= memory_dock.height() <= 0.36 * height  # about 30 %
+    assert heights[1440] > 1.8 * heights[700]  # the memory plots grow with a large screen
+    window.resizeDocks([memory_dock], [320], Qt.Orientation.Vertical)  # the user drags its edge
+    qtbot.wait(20)
+    dragged = memory_dock.height()
+    assert dragged > 0.36 * 700
+    window.resize(1024, 900)
+    qtbot.wait(50)
+    assert abs(memory_dock.height() - dragged * 900 / 700) < 0.06 * dragged  # the share the user gave it

@@ -5,9 +5,11 @@ from collections import defaultdict
 import pytest
 import torch
 from memory_trace_source import DEPTHS, ToyBlocks, record_runtime_trace
+from PySide6.QtGui import QFontMetricsF
 
+from app import memory_panel
 from app.memory_model import RUNS_KEPT, MemoryModel, TraceError, load_trace
-from app.memory_panel import DevicePlot, MemoryPanel, install_memory_views
+from app.memory_panel import DevicePlot, MemoryPanel, SegmentBar, install_memory_views
 from app.trace_replay import TraceReplay
 from app.workflow_placement import ModuleSlot, WorkflowPlacement
 from engine.memory.ledger import DeviceLedger
@@ -95,7 +97,8 @@ def test_a_runtime_snapshot_sets_each_device_budget():
     assert device["weights"] == {"diffusion": 1024**3}
 
 
-def test_polling_an_idle_runtime_redraws_nothing(qtbot):
+def test_polling_an_idle_runtime_redraws_nothing(qtbot, monkeypatch):
+    monkeypatch.setattr(memory_panel, "RUNTIME_POLL_HZ", 1e9)  # every refresh below polls the runtime
     ledger = DeviceLedger("cuda0", 6 * 1024**3, bus=EventBus())
     ledger.allocate("te#2", "weights", "te#2/w", 1024**3)
     model = MemoryModel(clock=time.perf_counter)
@@ -105,11 +108,29 @@ def test_polling_an_idle_runtime_redraws_nothing(qtbot):
     assert panel.refresh()  # the first poll brings the budget
     assert model.snapshot()["devices"]["cuda0"]["budget"] == 6 * 1024**3
     versions = {model.version}
-    for _ in range(2 * panel._poll_every):
+    for _ in range(30):
         assert not panel.refresh()
         versions.add(model.version)
     assert len(versions) == 1
     assert set(panel.device_plots["cuda0"].areas) == {"te", "workspace"}  # a reload is still te
+
+
+def test_the_runtime_is_polled_by_the_clock_when_the_window_slows_the_panel_timer(qtbot):
+    """The window slows dock timers to 4 Hz while a job runs: a budget set by the job must still arrive
+    within a poll period (it once waited 15 ticks, 3.75 s, and a short run never showed its budget)."""
+    devices = {}
+    panel = MemoryPanel(MemoryModel(), runtime_snapshot=lambda: {"devices": dict(devices)})
+    qtbot.addWidget(panel)
+    panel.show()
+    panel.timer.setInterval(250)
+    qtbot.wait(300)  # the first poll found no device
+    devices["cpu"] = DeviceLedger("cpu", 20 * 1024**2, bus=EventBus()).snapshot()  # a job configured it
+    qtbot.waitUntil(lambda: "cpu" in panel.model.snapshot()["devices"],
+                    timeout=int(1000 / memory_panel.RUNTIME_POLL_HZ) + 600)
+    assert panel.model.snapshot()["devices"]["cpu"]["budget"] == 20 * 1024**2
+    devices["cpu"] = DeviceLedger("cpu", 30 * 1024**2, bus=EventBus()).snapshot()
+    panel.refresh(force=True)  # a forced refresh polls at once
+    assert panel.model.snapshot()["devices"]["cpu"]["budget"] == 30 * 1024**2
 
 
 def test_a_queued_segment_copy_marks_that_segment_prefetching_until_it_computes():
@@ -335,3 +356,20 @@ def test_the_planned_placement_shows_before_any_event(qtbot):
     plot = panel.device_plots["cpu"]
     assert list(plot.planned.getData()[1]) == [12.0, 12.0]  # the te's resident MiB, as planned
     assert list(plot.budget.getData()[1]) == [20.0, 20.0]
+
+
+def test_the_segment_header_is_elided_to_the_bar_and_whole_in_the_tooltip(qtbot):
+    bar = SegmentBar()
+    qtbot.addWidget(bar)
+    bar.resize(300, 64)
+    mib = 1024**2
+    plan = {"module": "diffusion", "device": "cuda0", "whole": False, "workspace": mib, "ring": 8 * mib,
+            "segments": [{"index": i, "start": i, "stop": i + 1, "weight_bytes": 1024**2, "state": "resident",
+                          "streamed": i > 2} for i in range(12)]}
+    bar.set_plan(plan, 61.45e6)
+    shown = bar.shown_header()
+    assert shown.endswith("…") and shown.startswith("diffusion on cuda0 · copying 61.45 MB/s")
+    assert QFontMetricsF(bar.label_font()).horizontalAdvance(shown) <= bar.width() - 16
+    assert bar.toolTip() == bar.header() and "stream ring 8.0 MiB" in bar.toolTip()
+    bar.resize(1400, 64)
+    assert bar.shown_header() == bar.header()

@@ -138,6 +138,17 @@ def test_sluice_plan_prints_every_component_without_loading(models_workflow, cap
     assert get_runtime().modules() == []  # nothing was loaded
 
 
+def test_sluice_plan_shows_a_managed_cpu_budget_as_the_cpu_room(models_workflow, capsys):
+    root, path = models_workflow
+    assert main(["plan", str(path), "--models", str(root / "models"), "--backend", "cpu",
+                 "--max-vram", "cpu=0.02"]) == 0
+    rooms = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("cpu ")}
+    assert rooms == {"cpu": "0.02"}  # the budget asked for, not the free RAM
+    plan = plan_placements([need("diffusion", 1, compute="cpu")], {"cpu": GIB // 2}, 6 * GIB)
+    assert plan.budgets["cpu"] == GIB // 2
+
+
 def test_sluice_plan_rejects_a_bad_flag_with_a_clear_message(models_workflow, capsys):
     root, path = models_workflow
     assert main(["plan", str(path), "--models", str(root / "models"), "--backend", "te=tpu9"]) == 2
