@@ -166,14 +166,64 @@ def test_our_loaders_take_gguf_files_too(models_root, settings):
 
 def test_the_gguf_nodes_have_comfyui_ggufs_names_inputs_and_outputs(settings):
     registry = default_registry(settings)
-    expected = {"UnetLoaderGGUF": (["unet_name"], ["MODEL"]),
-                "CLIPLoaderGGUF": (["clip_name", "type"], ["CLIP"]),
-                "DualCLIPLoaderGGUF": (["clip_name1", "clip_name2", "type"], ["CLIP"])}
+    placement = ["backend", "params_backend"]
+    expected = {"UnetLoaderGGUF": (["unet_name", *placement], ["MODEL"]),
+                "UnetLoaderGGUFAdvanced": (["unet_name", "dequant_dtype", "patch_dtype", "patch_on_device",
+                                            *placement], ["MODEL"]),
+                "CLIPLoaderGGUF": (["clip_name", "type", *placement], ["CLIP"]),
+                "DualCLIPLoaderGGUF": (["clip_name1", "clip_name2", "type", *placement], ["CLIP"]),
+                "TripleCLIPLoaderGGUF": (["clip_name1", "clip_name2", "clip_name3"], ["CLIP"]),
+                "QuadrupleCLIPLoaderGGUF": ([f"clip_name{i}" for i in (1, 2, 3, 4)], ["CLIP"])}
     for name, (inputs, outputs) in expected.items():
         node_type = registry.get(name)
-        assert [i.name for i in node_type.inputs] == [*inputs, "backend", "params_backend"]
+        assert [i.name for i in node_type.inputs] == inputs
         assert [o.type for o in node_type.outputs] == outputs
+    advanced = registry.get("UnetLoaderGGUFAdvanced")
+    assert advanced.input_named("dequant_dtype").choices == ("default", "target", "float32", "float16",
+                                                             "bfloat16")
+    assert advanced.default_widget_values()["patch_on_device"] is False
     unet_choices = registry.get("UnetLoaderGGUF").input_named("unet_name").current_choices()
     assert unet_choices and all(choice.endswith(".gguf") for choice in unet_choices)
     clip_choices = registry.get("CLIPLoaderGGUF").input_named("clip_name").current_choices()
     assert "t5-Q8_0.gguf" in clip_choices and "clip_l.safetensors" in clip_choices
+
+
+@pytest.mark.parametrize(("dequant_dtype", "patch_dtype", "patch_on_device"), [
+    ("target", "default", True), ("float32", "float32", False)])
+def test_the_advanced_unet_loader_runs_the_compute_dtype_as_the_plain_one(settings, dequant_dtype,
+                                                                           patch_dtype, patch_on_device):
+    """ComfyUI-GGUF's dequant_dtype / patch_dtype naming the compute dtype (float32 on the CPU), or target,
+    give UnetLoaderGGUF's image."""
+    plain = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
+                                   "inputs": {"unet_name": "sd1-Q4_K.gguf"}}), settings)["8"]
+    advanced = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUFAdvanced", "inputs": {
+        "unet_name": "sd1-Q4_K.gguf", "dequant_dtype": dequant_dtype, "patch_dtype": patch_dtype,
+        "patch_on_device": patch_on_device}}), settings)["8"]
+    assert torch.equal(plain, advanced)
+
+
+def failure(prompt: dict, settings: Settings) -> str:
+    registry = default_registry(settings)
+    registry.register(Capture)
+    workflow, _ = from_comfy_api(prompt, registry.get)
+    result = Executor(registry.get, bus=telemetry.EventBus(), settings=settings).run(workflow)
+    assert result.status != "finished"
+    return str(result.failure or result.errors)
+
+
+def test_what_sluice_cannot_apply_of_comfyui_ggufs_loaders_is_refused_by_name(settings):
+    advanced = {"class_type": "UnetLoaderGGUFAdvanced", "inputs": {
+        "unet_name": "sd1-Q8_0.gguf", "dequant_dtype": "default", "patch_dtype": "bfloat16",
+        "patch_on_device": False}}
+    message = failure(sd1_prompt(advanced), settings)
+    assert "patch_dtype 'bfloat16' is not this model's compute dtype (float32)" in message
+    assert "accepted: default, target, float32" in message
+    names = {f"clip_name{i}": "clip_l.safetensors" for i in (1, 2, 3, 4)}
+    for node, loads in (("TripleCLIPLoaderGGUF", "SD3's text encoders"),
+                        ("QuadrupleCLIPLoaderGGUF", "HiDream's text encoders")):
+        inputs = dict(list(names.items())[:3]) if node.startswith("Triple") else names
+        prompt = {"1": {"class_type": node, "inputs": inputs},
+                  "2": {"class_type": "Capture", "inputs": {"value": ["1", 0]}}}
+        message = failure(prompt, settings)
+        assert f"{node} loads {loads}" in message
+        assert "DualCLIPLoaderGGUF (type sdxl, flux)" in message
