@@ -103,6 +103,7 @@ def sd1_prompt(unet: dict) -> dict:
             "model": ["2", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0]}},
         "7": {"class_type": "VAEDecode", "inputs": {"samples": ["6", 0], "vae": ["1", 2]}},
         "8": {"class_type": "Capture", "inputs": {"value": ["7", 0]}},
+        "9": {"class_type": "Capture", "inputs": {"value": ["2", 0]}},
     }
 
 
@@ -128,10 +129,13 @@ def flux_prompt(unet: dict, clip: dict) -> dict:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_quantised_sd1_unet_gives_the_images_of_its_dequantised_copy(models_root, settings, qtype):
     assert count_types(models_root / "diffusion_models" / f"sd1-{qtype}.gguf")[qtype] > 10
-    quantised = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
-                                       "inputs": {"unet_name": f"sd1-{qtype}.gguf"}}), settings)["8"]
+    seen = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
+                                  "inputs": {"unet_name": f"sd1-{qtype}.gguf"}}), settings)
+    quantised = seen["8"]
     copy = run_prompt(sd1_prompt({"class_type": "UNETLoader", "inputs": {
         "unet_name": f"sd1-{qtype}-dequantised.safetensors", "weight_dtype": "default"}}), settings)["8"]
+    layers = [m for m in seen["9"].unet.modules() if isinstance(m, QUANT_LAYERS)]
+    assert len(layers) > 10 and {m.qtype for m in layers} == {qtype}  # the weights rested quantised
     assert quantised.shape[-1] == 3 and torch.isfinite(quantised).all()
     assert torch.equal(quantised, copy)
 
