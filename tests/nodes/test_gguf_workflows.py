@@ -166,6 +166,9 @@ def test_our_loaders_take_gguf_files_too(models_root, settings):
     ours = run_prompt(sd1_prompt({"class_type": "UNETLoader", "inputs": {
         "unet_name": "sd1-Q8_0.gguf", "weight_dtype": "default"}}), settings)["8"]
     assert torch.equal(gguf_node, ours)
+    registry = default_registry(settings)  # the text encoder loaders list GGUF files (one load_text_encoders)
+    for node, widget in (("CLIPLoader", "clip_name"), ("DualCLIPLoader", "clip_name1")):
+        assert "t5-Q8_0.gguf" in registry.get(node).input_named(widget).current_choices()
 
 
 def test_the_gguf_nodes_have_comfyui_ggufs_names_inputs_and_outputs(settings):
