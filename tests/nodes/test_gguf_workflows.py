@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import nodes.loaders
 from engine import telemetry
-from engine.graph.comfy import from_comfy_api
+from engine.graph.comfy import from_comfy_api, from_comfy_ui
 from engine.graph.executor import Executor
 from engine.memory.runtime import MemoryRuntime, set_runtime
 from engine.models.loader import clear_cache
@@ -234,3 +234,25 @@ def test_what_sluice_cannot_apply_of_comfyui_ggufs_loaders_is_refused_by_name(se
         message = failure(prompt, settings)
         assert f"{node} loads {loads}" in message
         assert "DualCLIPLoaderGGUF (type sdxl, flux)" in message
+
+
+def test_comfyui_gguf_nodes_import_from_a_comfyui_workflow_file(settings):
+    """ComfyUI's saved workflows give each node's widget values by position, in ComfyUI-GGUF's input order."""
+    values = {"UnetLoaderGGUF": ["flux-Q8_0.gguf"],
+              "UnetLoaderGGUFAdvanced": ["flux-Q8_0.gguf", "target", "float16", True],
+              "CLIPLoaderGGUF": ["t5-Q8_0.gguf", "sd1"],
+              "DualCLIPLoaderGGUF": ["clip_l.safetensors", "t5-Q8_0.gguf", "flux"],
+              "TripleCLIPLoaderGGUF": ["clip_l.safetensors", "clip_l.safetensors", "t5-Q8_0.gguf"],
+              "QuadrupleCLIPLoaderGGUF": ["clip_l.safetensors", "clip_l.safetensors", "t5-Q8_0.gguf",
+                                          "t5-Q8_0.gguf"]}
+    nodes = [{"id": index, "type": name, "pos": [0, 0], "size": [300, 100], "mode": 0, "inputs": [],
+              "outputs": [], "widgets_values": widget_values}
+             for index, (name, widget_values) in enumerate(values.items(), start=1)]
+    registry = default_registry(settings)
+    workflow, warnings = from_comfy_ui({"nodes": nodes, "links": [], "version": 0.4}, registry.get)
+    assert warnings == []
+    for index, (name, widget_values) in enumerate(values.items(), start=1):
+        node_type = registry.get(name)
+        names = [i.name for i in node_type.widget_inputs()][:len(widget_values)]
+        assert {k: workflow.nodes[str(index)].widgets[k] for k in names} == dict(zip(names, widget_values,
+                                                                                    strict=True))
