@@ -650,7 +650,8 @@ def _add_convert_parser(subparsers: Any, common: argparse.ArgumentParser) -> Non
     parser.add_argument("output", help="the .gguf file to write")
     parser.add_argument("--type", dest="type_name", metavar="TYPE",
                         help="type of the converted weights: f32, f16, bf16, q8_0, q6_K, q5_K, q5_1, q5_0, "
-                             "q4_K, q4_1, q4_0, q3_K, q2_K (default: every tensor keeps its stored type)")
+                             "q4_K, q4_1, q4_0, iq4_nl, iq4_xs, q3_K, q2_K (default: every tensor keeps its "
+                             "stored type)")
     parser.add_argument("--tensor-type-rules", dest="rules", default="", metavar="REGEX=TYPE,...",
                         help="per-tensor types: the first regex found in a tensor's name gives its type "
                              "(e.g. 'attn=q8_0,mlp=q4_0')")

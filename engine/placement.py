@@ -468,8 +468,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                             "it also picks the weight types: text encoders q8_0, the diffusion model the "
                             "highest of q8_0, q5, q4 that fits resident (reference/004)")
     group.add_argument("--type", dest="weight_type", metavar="TYPE",
-                       help="quantise every eligible weight to TYPE as it loads: q8_0, q5_0, q5_1, q4_0, "
-                            "q4_1, f16, bf16, f32 (stable-diffusion.cpp's --type)")
+                       help="quantise every eligible weight to TYPE as it loads: q8_0, q6_K, q5_K, q5_1, "
+                            "q5_0, q4_K, q4_1, q4_0, iq4_nl, iq4_xs, q3_K, q2_K, f16, bf16, f32 "
+                            "(stable-diffusion.cpp's --type)")
     group.add_argument("--tensor-type-rules", metavar="RULES",
                        help='per-tensor types over --type: "regex=type,..." on tensor names, e.g. '
                             '"^model.diffusion_model.double_blocks=q8_0"')

@@ -2,12 +2,19 @@
 stable-diffusion.cpp and ComfyUI-GGUF both load.
 
 What each loader needs, and what is written:
-- names: the input's keys unchanged. sd.cpp takes a whole checkpoint's names with `-m` and a bare diffusion
-  model's with `--diffusion-model`; ComfyUI-GGUF's UnetLoaderGGUF strips `model.diffusion_model.` when
-  present (and ignores the other components' tensors).
+- names: the input's keys unchanged, which is what sd.cpp's own `-M convert` writes for a checkpoint in the
+  original layouts. sd.cpp takes a whole checkpoint's names with `-m`: its name conversion accepts the text
+  encoders under `cond_stage_model.` / `conditioner.embedders.` (SD1, SD2, SDXL) or `text_encoders.clip_l.`,
+  `text_encoders.t5xxl.` (ComfyUI's FLUX checkpoints) and the VAE under `first_stage_model.` or `vae.`; a
+  bare model's names with `--diffusion-model`, `--clip_l`, `--t5xxl` or `--vae`, which prefix them
+  (transformers' T5 names and llama.cpp's both read). ComfyUI-GGUF's UnetLoaderGGUF strips
+  `model.diffusion_model.` when present and ignores the other components' tensors; its CLIPLoaderGGUF reads
+  only text-encoder files whose `general.architecture` is a text one (`t5encoder` for a T5 encoder, whose
+  transformers names its llama.cpp renames leave as they are); it reads no CLIP GGUF at all.
 - `general.architecture`: ComfyUI-GGUF's value (flux, sd3, sdxl, sd1), detected from the keys as its own
-  converter does; ComfyUI-GGUF refuses other values and guesses from the keys when it is missing (sd.cpp's
-  own files have none). sd.cpp ignores every field. When the keys match none, no architecture is written.
+  converter does, or llama.cpp's `t5encoder` for a bare T5 encoder; ComfyUI-GGUF refuses other values and
+  guesses from the keys when it is missing (sd.cpp's own files have none). sd.cpp ignores every field. When
+  the keys match none, no architecture is written.
 - `general.file_type` (llama.cpp's LlamaFileType of `--type`) and `general.quantization_version` 2, as
   ComfyUI-GGUF's tools write them; alignment is the default 32 (not written).
 - tensors whose rows are not whole blocks of the type (3x3 convolutions, for one) stay in their stored
@@ -40,6 +47,10 @@ ARCHITECTURE_KEYS: tuple[tuple[str, tuple[tuple[str, ...], ...]], ...] = (
     ("sd1", (("input_blocks.3.0.op.weight", "input_blocks.6.0.op.weight", "input_blocks.9.0.op.weight",
               "output_blocks.2.1.conv.weight", "output_blocks.5.2.conv.weight",
               "output_blocks.8.2.conv.weight"),)),
+    # a bare T5 (llama.cpp's values): encoder and decoder, or the encoder alone
+    ("t5", (("encoder.block.0.layer.0.SelfAttention.q.weight",
+             "decoder.block.0.layer.0.SelfAttention.q.weight"),)),
+    ("t5encoder", (("encoder.block.0.layer.0.SelfAttention.q.weight",),)),
 )
 DIFFUSION_PREFIXES = ("model.diffusion_model.", "model.")
 # llama.cpp's LlamaFileType of a file mostly of one type (K types: the _S variant, every tensor that type)

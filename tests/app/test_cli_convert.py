@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.cli import main
+from engine.quant.quantize import QUANTIZABLE
 
 
 def write_model(path) -> None:
@@ -40,3 +41,11 @@ def test_convert_usage_errors_exit_2_and_unreadable_input_exits_1(tmp_path, caps
     (tmp_path / "junk.safetensors").write_bytes(b"not a model")
     assert main(["convert", str(tmp_path / "junk.safetensors"), str(tmp_path / "o.gguf"), "--quiet"]) == 1
     assert "cannot convert" in capsys.readouterr().err and not (tmp_path / "o.gguf").exists()
+
+
+def test_the_type_help_of_convert_and_run_lists_every_type_sluice_writes(capsys):
+    for command in ("convert", "run"):
+        assert main([command, "--help"]) == 0
+        words = {w.strip(",()").lower() for w in capsys.readouterr().out.split()}
+        missing = [t for t in QUANTIZABLE if t.lower() not in words]
+        assert missing == [], f"sluice {command} --help does not list {missing}"

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import nodes.loaders
 from engine import telemetry
-from engine.graph.comfy import from_comfy_api
+from engine.graph.comfy import from_comfy_api, from_comfy_ui
 from engine.graph.executor import Executor
 from engine.memory.runtime import MemoryRuntime, set_runtime
 from engine.models.loader import clear_cache
@@ -103,6 +103,7 @@ def sd1_prompt(unet: dict) -> dict:
             "model": ["2", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["5", 0]}},
         "7": {"class_type": "VAEDecode", "inputs": {"samples": ["6", 0], "vae": ["1", 2]}},
         "8": {"class_type": "Capture", "inputs": {"value": ["7", 0]}},
+        "9": {"class_type": "Capture", "inputs": {"value": ["2", 0]}},
     }
 
 
@@ -128,10 +129,13 @@ def flux_prompt(unet: dict, clip: dict) -> dict:
 @pytest.mark.parametrize("qtype", TYPES)
 def test_a_quantised_sd1_unet_gives_the_images_of_its_dequantised_copy(models_root, settings, qtype):
     assert count_types(models_root / "diffusion_models" / f"sd1-{qtype}.gguf")[qtype] > 10
-    quantised = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
-                                       "inputs": {"unet_name": f"sd1-{qtype}.gguf"}}), settings)["8"]
+    seen = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
+                                  "inputs": {"unet_name": f"sd1-{qtype}.gguf"}}), settings)
+    quantised = seen["8"]
     copy = run_prompt(sd1_prompt({"class_type": "UNETLoader", "inputs": {
         "unet_name": f"sd1-{qtype}-dequantised.safetensors", "weight_dtype": "default"}}), settings)["8"]
+    layers = [m for m in seen["9"].unet.modules() if isinstance(m, QUANT_LAYERS)]
+    assert len(layers) > 10 and {m.qtype for m in layers} == {qtype}  # the weights rested quantised
     assert quantised.shape[-1] == 3 and torch.isfinite(quantised).all()
     assert torch.equal(quantised, copy)
 
@@ -162,18 +166,93 @@ def test_our_loaders_take_gguf_files_too(models_root, settings):
     ours = run_prompt(sd1_prompt({"class_type": "UNETLoader", "inputs": {
         "unet_name": "sd1-Q8_0.gguf", "weight_dtype": "default"}}), settings)["8"]
     assert torch.equal(gguf_node, ours)
+    registry = default_registry(settings)  # the text encoder loaders list GGUF files (one load_text_encoders)
+    for node, widget in (("CLIPLoader", "clip_name"), ("DualCLIPLoader", "clip_name1")):
+        assert "t5-Q8_0.gguf" in registry.get(node).input_named(widget).current_choices()
 
 
 def test_the_gguf_nodes_have_comfyui_ggufs_names_inputs_and_outputs(settings):
     registry = default_registry(settings)
-    expected = {"UnetLoaderGGUF": (["unet_name"], ["MODEL"]),
-                "CLIPLoaderGGUF": (["clip_name", "type"], ["CLIP"]),
-                "DualCLIPLoaderGGUF": (["clip_name1", "clip_name2", "type"], ["CLIP"])}
+    placement = ["backend", "params_backend"]
+    expected = {"UnetLoaderGGUF": (["unet_name", *placement], ["MODEL"]),
+                "UnetLoaderGGUFAdvanced": (["unet_name", "dequant_dtype", "patch_dtype", "patch_on_device",
+                                            *placement], ["MODEL"]),
+                "CLIPLoaderGGUF": (["clip_name", "type", *placement], ["CLIP"]),
+                "DualCLIPLoaderGGUF": (["clip_name1", "clip_name2", "type", *placement], ["CLIP"]),
+                "TripleCLIPLoaderGGUF": (["clip_name1", "clip_name2", "clip_name3"], ["CLIP"]),
+                "QuadrupleCLIPLoaderGGUF": ([f"clip_name{i}" for i in (1, 2, 3, 4)], ["CLIP"])}
     for name, (inputs, outputs) in expected.items():
         node_type = registry.get(name)
-        assert [i.name for i in node_type.inputs] == [*inputs, "backend", "params_backend"]
+        assert [i.name for i in node_type.inputs] == inputs
         assert [o.type for o in node_type.outputs] == outputs
+    advanced = registry.get("UnetLoaderGGUFAdvanced")
+    assert advanced.input_named("dequant_dtype").choices == ("default", "target", "float32", "float16",
+                                                             "bfloat16")
+    assert advanced.default_widget_values()["patch_on_device"] is False
     unet_choices = registry.get("UnetLoaderGGUF").input_named("unet_name").current_choices()
     assert unet_choices and all(choice.endswith(".gguf") for choice in unet_choices)
     clip_choices = registry.get("CLIPLoaderGGUF").input_named("clip_name").current_choices()
     assert "t5-Q8_0.gguf" in clip_choices and "clip_l.safetensors" in clip_choices
+
+
+@pytest.mark.parametrize(("dequant_dtype", "patch_dtype", "patch_on_device"), [
+    ("target", "default", True), ("float32", "float32", False)])
+def test_the_advanced_unet_loader_runs_the_compute_dtype_as_the_plain_one(settings, dequant_dtype,
+                                                                           patch_dtype, patch_on_device):
+    """ComfyUI-GGUF's dequant_dtype / patch_dtype naming the compute dtype (float32 on the CPU), or target,
+    give UnetLoaderGGUF's image."""
+    plain = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUF",
+                                   "inputs": {"unet_name": "sd1-Q4_K.gguf"}}), settings)["8"]
+    advanced = run_prompt(sd1_prompt({"class_type": "UnetLoaderGGUFAdvanced", "inputs": {
+        "unet_name": "sd1-Q4_K.gguf", "dequant_dtype": dequant_dtype, "patch_dtype": patch_dtype,
+        "patch_on_device": patch_on_device}}), settings)["8"]
+    assert torch.equal(plain, advanced)
+
+
+def failure(prompt: dict, settings: Settings) -> str:
+    registry = default_registry(settings)
+    registry.register(Capture)
+    workflow, _ = from_comfy_api(prompt, registry.get)
+    result = Executor(registry.get, bus=telemetry.EventBus(), settings=settings).run(workflow)
+    assert result.status != "finished"
+    return str(result.failure or result.errors)
+
+
+def test_what_sluice_cannot_apply_of_comfyui_ggufs_loaders_is_refused_by_name(settings):
+    advanced = {"class_type": "UnetLoaderGGUFAdvanced", "inputs": {
+        "unet_name": "sd1-Q8_0.gguf", "dequant_dtype": "default", "patch_dtype": "bfloat16",
+        "patch_on_device": False}}
+    message = failure(sd1_prompt(advanced), settings)
+    assert "patch_dtype 'bfloat16' is not this model's compute dtype (float32)" in message
+    assert "accepted: default, target, float32" in message
+    names = {f"clip_name{i}": "clip_l.safetensors" for i in (1, 2, 3, 4)}
+    for node, loads in (("TripleCLIPLoaderGGUF", "SD3's text encoders"),
+                        ("QuadrupleCLIPLoaderGGUF", "HiDream's text encoders")):
+        inputs = dict(list(names.items())[:3]) if node.startswith("Triple") else names
+        prompt = {"1": {"class_type": node, "inputs": inputs},
+                  "2": {"class_type": "Capture", "inputs": {"value": ["1", 0]}}}
+        message = failure(prompt, settings)
+        assert f"{node} loads {loads}" in message
+        assert "DualCLIPLoaderGGUF (type sdxl, flux)" in message
+
+
+def test_comfyui_gguf_nodes_import_from_a_comfyui_workflow_file(settings):
+    """ComfyUI's saved workflows give each node's widget values by position, in ComfyUI-GGUF's input order."""
+    values = {"UnetLoaderGGUF": ["flux-Q8_0.gguf"],
+              "UnetLoaderGGUFAdvanced": ["flux-Q8_0.gguf", "target", "float16", True],
+              "CLIPLoaderGGUF": ["t5-Q8_0.gguf", "sd1"],
+              "DualCLIPLoaderGGUF": ["clip_l.safetensors", "t5-Q8_0.gguf", "flux"],
+              "TripleCLIPLoaderGGUF": ["clip_l.safetensors", "clip_l.safetensors", "t5-Q8_0.gguf"],
+              "QuadrupleCLIPLoaderGGUF": ["clip_l.safetensors", "clip_l.safetensors", "t5-Q8_0.gguf",
+                                          "t5-Q8_0.gguf"]}
+    nodes = [{"id": index, "type": name, "pos": [0, 0], "size": [300, 100], "mode": 0, "inputs": [],
+              "outputs": [], "widgets_values": widget_values}
+             for index, (name, widget_values) in enumerate(values.items(), start=1)]
+    registry = default_registry(settings)
+    workflow, warnings = from_comfy_ui({"nodes": nodes, "links": [], "version": 0.4}, registry.get)
+    assert warnings == []
+    for index, (name, widget_values) in enumerate(values.items(), start=1):
+        node_type = registry.get(name)
+        names = [i.name for i in node_type.widget_inputs()][:len(widget_values)]
+        assert {k: workflow.nodes[str(index)].widgets[k] for k in names} == dict(zip(names, widget_values,
+                                                                                    strict=True))

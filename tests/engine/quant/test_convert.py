@@ -11,10 +11,27 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.formats import CheckpointError, open_checkpoint
+from engine.models.loader import load_checkpoint, load_text_encoders
 from engine.quant.convert import convert_checkpoint, detect_architecture
 from engine.quant.dequant import dequantize
 from engine.quant.quantize import tensor_type_rules
 from engine.quant.types import UnsupportedQuantTypeError
+from tests.engine.models.flux_checkpoints import checkpoint_state, clip_l_state, flux_state, t5_state
+from tests.engine.models.sd_checkpoints import write_checkpoint
+
+# stable-diffusion.cpp's name conversion (src/name_conversion.cpp): the prefixes of the tensors it takes from
+# a whole checkpoint (-m): its diffusion_model_, cond_stage_model_ and first_stage_model_prefix_vec
+SD_CPP_PREFIXES = ("model.diffusion_model.", "cond_stage_model.", "conditioner.embedders.", "text_encoders.",
+                   "first_stage_model.", "vae.")
+# ComfyUI-GGUF's loader.py: the architectures its CLIPLoaderGGUF reads, and its T5_SD_MAP (llama.cpp -> torch)
+COMFYUI_GGUF_TEXT_ARCHITECTURES = ("t5", "t5encoder", "llama", "qwen2vl", "qwen3", "qwen3vl")
+COMFYUI_GGUF_T5_MAP = {"enc.": "encoder.", ".blk.": ".block.", "token_embd": "shared",
+                       "output_norm": "final_layer_norm", "attn_q": "layer.0.SelfAttention.q",
+                       "attn_k": "layer.0.SelfAttention.k", "attn_v": "layer.0.SelfAttention.v",
+                       "attn_o": "layer.0.SelfAttention.o", "attn_norm": "layer.0.layer_norm",
+                       "attn_rel_b": "layer.0.SelfAttention.relative_attention_bias",
+                       "ffn_up": "layer.1.DenseReluDense.wi_1", "ffn_down": "layer.1.DenseReluDense.wo",
+                       "ffn_gate": "layer.1.DenseReluDense.wi_0", "ffn_norm": "layer.1.layer_norm"}
 
 
 def flux_like_state() -> dict[str, torch.Tensor]:
@@ -201,3 +218,59 @@ def test_a_tensor_gguf_cannot_hold_is_refused_and_no_file_is_left(tmp_path):
     with pytest.raises(ValueError, match=r"'patch.weight' of shape \(4, 2, 1, 2, 2\) has 5 dims; GGUF"):
         convert_checkpoint(tmp_path / "video.safetensors", tmp_path / "m.gguf", "q8_0")
     assert not list(tmp_path.glob("m.gguf*"))
+
+
+def test_a_whole_checkpoint_keeps_the_names_stable_diffusion_cpp_and_comfyui_gguf_read(tmp_path):
+    """A ComfyUI FLUX checkpoint and an SD1 one: every tensor keeps its key, under a prefix sd.cpp's -m takes
+    (text encoders under text_encoders.clip_l / .t5xxl or cond_stage_model., the VAE under vae. or
+    first_stage_model.); ComfyUI-GGUF's UnetLoaderGGUF finds the transformer's names under
+    model.diffusion_model.; and the file loads in Sluice as the same three components."""
+    flux = checkpoint_state()
+    save_file(flux, tmp_path / "flux.safetensors")
+    write_checkpoint(tmp_path / "sd1.safetensors", "sd1", size="tiny")
+    for name, family in (("flux", "flux"), ("sd1", "sd1")):
+        convert_checkpoint(tmp_path / f"{name}.safetensors", tmp_path / f"{name}.gguf", "q8_0")
+        with open_checkpoint(tmp_path / f"{name}.safetensors") as source:
+            keys = set(source.keys())
+        reader = gguf.GGUFReader(tmp_path / f"{name}.gguf")
+        names = [t.name for t in reader.tensors]
+        assert set(names) == keys
+        assert [n for n in names if not n.startswith(SD_CPP_PREFIXES)] == []
+        assert "Q8_0" in {t.tensor_type.name for t in reader.tensors}
+        text = {n.split(".transformer.")[0] for n in names if n.startswith(("text_encoders.", "cond_stage"))}
+        assert text == ({"text_encoders.clip_l", "text_encoders.t5xxl"} if family == "flux"
+                        else {"cond_stage_model"})
+        model, clip, vae = load_checkpoint(tmp_path / f"{name}.gguf")
+        assert model.family.startswith(family) and clip is not None and vae is not None
+        if family == "flux":  # UnetLoaderGGUF: the architecture, and the names left once the prefix is cut
+            assert field_value(reader, "general.architecture") == "flux"
+            unet = {n.removeprefix("model.diffusion_model.") for n in names
+                    if n.startswith("model.diffusion_model.")}
+            assert unet == set(flux_state())
+
+
+def test_a_bare_t5_encoder_is_a_t5encoder_file_comfyui_ggufs_clip_loader_reads(tmp_path):
+    """ComfyUI-GGUF's CLIPLoaderGGUF takes a GGUF text encoder only under a text architecture and renames its
+    tensors with T5_SD_MAP, which leaves transformers' names as they are; Sluice reads the file as the
+    values gguf dequantises (the same encoding as a float32 copy of them)."""
+    t5 = t5_state()
+    save_file(t5, tmp_path / "t5.safetensors")
+    summary = convert_checkpoint(tmp_path / "t5.safetensors", tmp_path / "t5.gguf", "q8_0")
+    reader = gguf.GGUFReader(tmp_path / "t5.gguf")
+    assert summary.architecture == field_value(reader, "general.architecture") == "t5encoder"
+    assert field_value(reader, "general.architecture") in COMFYUI_GGUF_TEXT_ARCHITECTURES
+    renamed = {}
+    for tensor in reader.tensors:
+        name = tensor.name
+        for old, new in COMFYUI_GGUF_T5_MAP.items():
+            name = name.replace(old, new)
+        renamed[name] = torch.from_numpy(gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type))
+    assert set(renamed) == set(t5)
+    assert {t.tensor_type.name for t in reader.tensors} >= {"Q8_0"}
+    save_file({k: v.reshape(t5[k].shape).float().contiguous() for k, v in renamed.items()},
+              tmp_path / "t5-copy.safetensors")
+    save_file(clip_l_state(), tmp_path / "clip_l.safetensors")
+    ours = load_text_encoders([tmp_path / "clip_l.safetensors", tmp_path / "t5.gguf"], "flux")
+    copy = load_text_encoders([tmp_path / "clip_l.safetensors", tmp_path / "t5-copy.safetensors"], "flux")
+    assert torch.equal(ours.encode("a red cube")[0][0], copy.encode("a red cube")[0][0])
+    assert detect_architecture([*t5, "decoder.block.0.layer.0.SelfAttention.q.weight"]) == "t5"
