@@ -9,13 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import CLIPVisionConfig as HFConfig
 from transformers import CLIPVisionModelWithProjection
 
 from engine.models.clip_vision import (
     CLIP_MEAN,
     CLIP_STD,
-    CLIPVisionConfig,
     CLIPVisionModel,
     clip_preprocess,
     config_from_shapes,
@@ -27,56 +25,16 @@ from engine.models.clip_vision import (
 from engine.models.clip_vision_loader import file_names, load_clip_vision
 from engine.models.formats import open_checkpoint
 from engine.models.weights import bind_weights
+from tests.engine.models.clip_vision_checkpoints import (
+    HEADS,
+    IMAGE,
+    hf_state,
+    open_clip_state,
+    ours_config,
+    reference,
+)
 
 TOLERANCE = 1e-5  # largest absolute difference in float32 (outputs are O(1))
-WIDTH, LAYERS, HEADS, PROJECTION, IMAGE, PATCH = 32, 3, 4, 24, 28, 7
-
-
-def reference(activation: str = "quick_gelu", seed: int = 0) -> CLIPVisionModelWithProjection:
-    torch.manual_seed(seed)
-    config = HFConfig(hidden_size=WIDTH, intermediate_size=48, num_hidden_layers=LAYERS,
-                      num_attention_heads=HEADS, projection_dim=PROJECTION, image_size=IMAGE,
-                      patch_size=PATCH, hidden_act=activation, layer_norm_eps=1e-5)
-    model = CLIPVisionModelWithProjection(config).eval()
-    with torch.no_grad():  # random LayerNorm affine and class token: defaults (1, 0) would hide swaps
-        for name, parameter in model.named_parameters():
-            if "layer_norm" in name or "layrnorm" in name or "class_embedding" in name:
-                parameter.normal_(0.0 if name.endswith("bias") else 1.0, 0.2)
-    return model
-
-
-def ours_config(activation: str = "quick_gelu") -> CLIPVisionConfig:
-    return CLIPVisionConfig("custom", WIDTH, LAYERS, HEADS, 48, PROJECTION, activation, IMAGE, PATCH)
-
-
-def hf_state(model: CLIPVisionModelWithProjection) -> dict[str, torch.Tensor]:
-    return {key: value.contiguous() for key, value in model.state_dict().items()}
-
-
-def open_clip_state(model: CLIPVisionModelWithProjection, prefix: str) -> dict[str, torch.Tensor]:
-    """The same weights as open_clip's VisionTransformer names them (written by hand from open_clip's
-    module names, not from our map)."""
-    sd = model.state_dict()
-    v = "vision_model."
-    out = {
-        "class_embedding": sd[v + "embeddings.class_embedding"],
-        "conv1.weight": sd[v + "embeddings.patch_embedding.weight"],
-        "positional_embedding": sd[v + "embeddings.position_embedding.weight"],
-        "ln_pre.weight": sd[v + "pre_layrnorm.weight"], "ln_pre.bias": sd[v + "pre_layrnorm.bias"],
-        "ln_post.weight": sd[v + "post_layernorm.weight"], "ln_post.bias": sd[v + "post_layernorm.bias"],
-        "proj": sd["visual_projection.weight"].t(),
-    }
-    for i in range(LAYERS):
-        layer, block = f"{v}encoder.layers.{i}.", f"transformer.resblocks.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{block}ln_1.{kind}"] = sd[f"{layer}layer_norm1.{kind}"]
-            out[f"{block}ln_2.{kind}"] = sd[f"{layer}layer_norm2.{kind}"]
-            out[f"{block}attn.out_proj.{kind}"] = sd[f"{layer}self_attn.out_proj.{kind}"]
-            out[f"{block}mlp.c_fc.{kind}"] = sd[f"{layer}mlp.fc1.{kind}"]
-            out[f"{block}mlp.c_proj.{kind}"] = sd[f"{layer}mlp.fc2.{kind}"]
-            out[f"{block}attn.in_proj_{kind}"] = torch.cat(
-                [sd[f"{layer}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")])
-    return {prefix + key: value.contiguous() for key, value in out.items()}
 
 
 def pixels(batch: int = 2, seed: int = 1) -> torch.Tensor:
