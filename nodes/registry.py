@@ -38,6 +38,7 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.model_patches",
     "nodes.controlnet",
     "nodes.clip_vision",
+    "nodes.gligen",
 )
 
 

@@ -119,17 +119,20 @@ class DiffusionModel:
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
               y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
-              control: Mapping[str, list] | None = None) -> torch.Tensor:
+              control: Mapping[str, list] | None = None, middle_patch: Any = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
         The model's output-block patches (FreeU) run inside the UNet, and so do `control`'s residuals
-        (ControlNet, T2I-Adapter: engine/models/control.py).
+        (ControlNet, T2I-Adapter: engine/models/control.py), and `middle_patch` (GLIGEN's fusers,
+        engine/models/gligen.py).
         """
         patches = tuple(self.options.get("output_block_patches", ()))
         options: dict[str, Any] = {"output_block_patches": patches} if patches else {}
         if control is not None:
             options["control"] = control
+        if middle_patch is not None:
+            options["middle_patch"] = middle_patch
         return self.run_network(x, timesteps, context, y, **options)
 
     def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None, **options: Any) -> torch.Tensor:

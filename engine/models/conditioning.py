@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine.models.clip import CLIPTextModel
 from engine.models.detect import TextEncoderConfig
+from engine.models.gligen import gligen_position
 from engine.models.tokenizer import EmbeddingVector
 from engine.sampling import guidance
 
@@ -378,5 +379,6 @@ def sampler_entries(conditioning: Any, height: int, width: int, model_sampling: 
             context, y, scale, area=area, mask=mask, mask_strength=float(options.get("mask_strength", 1.0)),
             strength=float(options.get("strength", 1.0)), sigma_start=sigma_start, sigma_end=sigma_end,
             control=options.get("control"),
-            control_apply_to_uncond=bool(options.get("control_apply_to_uncond", False))))
+            control_apply_to_uncond=bool(options.get("control_apply_to_uncond", False)),
+            middle_patch=None if options.get("gligen") is None else gligen_position(options["gligen"])))
     return entries

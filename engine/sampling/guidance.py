@@ -47,6 +47,13 @@ FEATHER = 8  # cells over which an area's weight ramps up from each inner edge (
 MAX_TOKEN_REPEAT = 4  # contexts batch together when the LCM of their lengths is at most 4x the shorter one
 
 
+class MiddlePatchSource(Protocol):
+    """What an entry's `middle_patch` offers: the model call's `middle_patch=` input for a call on x
+    (B, C, h, w) (ComfyUI's gligen patch, made per cond per call: such entries never batch with others)."""
+
+    def middle_patch(self, x: torch.Tensor) -> Any: ...
+
+
 class Control(Protocol):
     """What an entry's `control` offers: the model call's `control=` input for a batch of entries (ComfyUI's
     ControlBase.get_control). `inputs` holds the batch's "context" (B, T, C), "y" and "guidance" (or None)."""
@@ -75,6 +82,7 @@ class Conditioning:
     sigma_end: float | None = None  # not applied at sigma below it (ComfyUI's timestep_end)
     control: Control | None = None  # adds its control to the model call (ControlNet)
     control_apply_to_uncond: bool = False  # a positive entry's control also serves the other sides
+    middle_patch: MiddlePatchSource | None = None  # GLIGEN's grounding (runs inside the UNet's transformers)
 
     def __post_init__(self) -> None:
         if self.context.ndim != 3:
@@ -283,6 +291,8 @@ def _batches_with(piece: _Piece, first: _Piece) -> bool:
     a, b = piece.entry, first.entry
     if piece.x.shape != first.x.shape or a.control is not b.control:
         return False
+    if (a.middle_patch is not None or b.middle_patch is not None) and piece is not first:
+        return False
     if (a.y is None) != (b.y is None) or (a.y is not None and a.y.shape[1:] != b.y.shape[1:]):
         return False
     if (a.guidance is None) != (b.guidance is None) or (a.concat is None) != (b.concat is None):
@@ -318,6 +328,8 @@ def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args:
     if first.control is not None:
         batch_inputs = {"context": inputs["context"], "y": inputs["y"], "guidance": inputs.get("guidance")}
         inputs["control"] = first.control.get_control(x, sigmas, batch_inputs, chunks)
+    if first.middle_patch is not None:
+        inputs["middle_patch"] = first.middle_patch.middle_patch(x)
     return model(x, sigmas, **inputs, **extra_args).chunk(chunks)
 
 
