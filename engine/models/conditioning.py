@@ -254,9 +254,10 @@ def sdxl_refiner_adm(pooled: torch.Tensor, width: int, height: int, crop_w: int 
 # options dict is open: "pooled_output" [1, P], the SDXL size fields, "guidance" (FluxGuidance), "area"
 # ((h, w, y, x) in latent cells, or ("percentage", h, w, y, x) in fractions of the latent), "strength",
 # "mask" ([B, H, W] at any size) with "mask_strength" and "set_area_to_bounds", "start_percent" /
-# "end_percent" (fractions of the sampling), "control" and "control_apply_to_uncond" (ControlNet), and
-# whatever other nodes add. Nodes never write into an entry: they return new lists of new dicts (the
-# tensors are shared).
+# "end_percent" (fractions of the sampling), "control" and "control_apply_to_uncond" (ControlNet),
+# "unclip_conditioning" (unCLIPConditioning: engine/models/unclip.py), "gligen" (GLIGENTextBoxApply:
+# engine/models/gligen.py), and whatever other nodes add. Nodes never write into an entry: they return new
+# lists of new dicts (the tensors are shared).
 
 ConditioningList = list[list[Any]]
 # (context, options) -> the model's (context, y, guidance) for an entry
