@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -248,7 +248,6 @@ class CLIPVisionOutput:
     image_embeds: torch.Tensor  # (B, projection_dim)
     last_hidden_state: torch.Tensor  # (B, positions, width), before post_layernorm
     penultimate_hidden_states: torch.Tensor  # (B, positions, width), the second-to-last layer's output
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return getattr(self, key)

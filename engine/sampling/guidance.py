@@ -11,7 +11,8 @@ crop of x (its area) is predicted, added to its side's output times the entry's 
 strength * strength; without a mask, an area's inner edges ramp up over FEATHER cells), the multipliers are
 summed, and the output divided by the sum (which starts at COUNT_FLOOR, so a cell no entry covers predicts 0).
 Entries whose crops have one shape, whose contexts can be repeated to one length (at most MAX_TOKEN_REPEAT
-times the shorter), whose y and guidance agree and whose control is the same object run in one batched call.
+times the shorter), whose y and guidance agree and whose control is the same object run in one batched call;
+an entry with a middle patch (GLIGEN's grounding, run inside the UNet's transformers) runs alone.
 
 Before sampling, `prepare_sides` gives every side an entry for each area another side has (ComfyUI's
 create_cond_with_same_area_if_none: the area's own options with the model inputs of the smallest entry of
