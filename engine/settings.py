@@ -40,6 +40,8 @@ MODEL_FOLDERS: dict[str, tuple[str, ...]] = {
     "embeddings": ("embeddings",),
     "vae_approx": ("vae_approx",),
     "controlnet": ("controlnet", "t2i_adapter"),
+    "clip_vision": ("clip_vision",),
+    "gligen": ("gligen",),
 }
 MODEL_EXTENSIONS = (".safetensors", ".ckpt", ".pt", ".pth", ".gguf", ".bin")
 

@@ -37,6 +37,8 @@ BUILTIN_MODULES: tuple[str, ...] = (
     "nodes.flux",
     "nodes.model_patches",
     "nodes.controlnet",
+    "nodes.clip_vision",
+    "nodes.gligen",
 )
 
 

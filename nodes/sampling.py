@@ -201,8 +201,8 @@ def run_sampler(ctx: RunContext, model: Any, latent_image: Any, positive: Any, n
     samples = model_samples(model, latent_image)
     latent, noise_mask = model_space(model, samples), noise_mask_of(latent_image)
     height, width = samples.shape[2] * 8, samples.shape[3] * 8
-    cond, uncond = (with_inpaint_channels(model, c, model.guidance_conditioning(c, width, height), latent,
-                                          noise_mask) for c in (positive, negative))
+    cond, uncond = (with_inpaint_channels(model, c, model.guidance_conditioning(c, width, height, seed),
+                                          latent, noise_mask) for c in (positive, negative))
     with model.holding_sampler_state(samples, positive, negative):
         result = sample(model.denoiser(), latent, cond, uncond, cfg, sampler_name, scheduler, steps, seed,
                         denoise=denoise, add_noise=add_noise, start_step=start_step, end_step=end_step,

@@ -288,6 +288,10 @@ def component_needs(
         from engine.models.control_loader import control_needs
 
         return control_needs(path, components["controlnet"], label, dtype)
+    if set(components) == {"clip_vision"}:  # a CLIP vision file (or an unCLIP checkpoint's image embedder)
+        from engine.models.clip_vision_loader import clip_vision_needs
+
+        return clip_vision_needs(path, components["clip_vision"], label, dtype)
     needs = []
     with open_checkpoint(path) as reader:
         info = detect(reader)

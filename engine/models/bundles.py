@@ -39,6 +39,7 @@ from engine.models.conditioning import (
 from engine.models.control import Control
 from engine.models.staged import Stage
 from engine.models.tokenizer import CLIPTokenizer
+from engine.models.unclip import SD21_MERGE, SDXL_MERGE, SDXL_POOLED, unclip_adm
 from engine.models.unet import UNetModel
 from engine.models.vae import AutoencoderKL
 from engine.sampling import guidance
@@ -118,17 +119,20 @@ class DiffusionModel:
     @torch.no_grad()
     def apply(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
               y: torch.Tensor | None = None, guidance: torch.Tensor | None = None,
-              control: Mapping[str, list] | None = None) -> torch.Tensor:
+              control: Mapping[str, list] | None = None, middle_patch: Any = None) -> torch.Tensor:
         """The UNet's prediction for x [B, C, h, w] on the model's device, returned like x.
 
         `guidance` (FluxGuidance's strength) is ignored: the SD UNets have no guidance input (as in ComfyUI).
         The model's output-block patches (FreeU) run inside the UNet, and so do `control`'s residuals
-        (ControlNet, T2I-Adapter: engine/models/control.py).
+        (ControlNet, T2I-Adapter: engine/models/control.py), and `middle_patch` (GLIGEN's fusers,
+        engine/models/gligen.py).
         """
         patches = tuple(self.options.get("output_block_patches", ()))
         options: dict[str, Any] = {"output_block_patches": patches} if patches else {}
         if control is not None:
             options["control"] = control
+        if middle_patch is not None:
+            options["middle_patch"] = middle_patch
         return self.run_network(x, timesteps, context, y, **options)
 
     def run_network(self, x: torch.Tensor, *inputs: torch.Tensor | None, **options: Any) -> torch.Tensor:
@@ -163,29 +167,40 @@ class DiffusionModel:
         with self.memory.holding("sampler state", nbytes):
             yield
 
-    def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
+    def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int, seed: int = 0,
                               ) -> list[guidance.Conditioning]:
         """ComfyUI CONDITIONING -> the sampler's entries for a width x height pixel image (also the SDXL size
         defaults): per entry its context, y, guidance (FluxGuidance's, None without) and where and when it
-        applies (engine/models/conditioning.py, sampler_entries)."""
+        applies (engine/models/conditioning.py, sampler_entries). `seed` (the sampler's) seeds the noise
+        augmentation of unCLIP image embeddings (engine/models/unclip.py)."""
         entries = sampler_entries(conditioning, height // 8, width // 8, self.model_sampling,
-                                  lambda context, extras: self._model_inputs(context, extras, width, height))
+                                  lambda context, extras: self._model_inputs(context, extras, width, height,
+                                                                             seed))
         return [dataclasses.replace(entry, control=entry.control.bound(self.model_sampling, self.unet))
                 if isinstance(entry.control, Control) else entry for entry in entries]
 
     def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any], width: int, height: int,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+                      seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
         if context.shape[-1] != self.unet.config.context_dim:
             raise ValueError(f"conditioning width {context.shape[-1]} does not suit this {self.family} model "
                              f"(context_dim {self.unet.config.context_dim}); use the text encoder of the "
                              f"same model family")
-        return context, self._adm(extras, width, height), extras.get("guidance")
+        return context, self._adm(extras, width, height, seed), extras.get("guidance")
 
-    def _adm(self, extras: Mapping[str, Any], width: int, height: int) -> torch.Tensor | None:
-        """SDXL's vector condition y from the pooled text feature and the size fields (ComfyUI encode_adm)."""
-        if self.unet.config.adm_in_channels is None:
+    def _adm(self, extras: Mapping[str, Any], width: int, height: int, seed: int = 0) -> torch.Tensor | None:
+        """The vector condition y (ComfyUI encode_adm): SDXL's from the pooled text feature (or an unCLIP
+        image embedding: revision) and the size fields; SD2.1 unCLIP's from the image embedding alone."""
+        adm_channels = self.unet.config.adm_in_channels
+        if adm_channels is None:
             return None
+        unclip = extras.get("unclip_conditioning")
+        if self.family == "sd2":  # SD2.1 unCLIP: y is the noise-augmented image embedding, zeros without one
+            if unclip is None:
+                return torch.zeros(1, adm_channels)
+            return unclip_adm(unclip, seed, SD21_MERGE, adm_channels // 2)
         pooled = extras.get("pooled_output")
+        if unclip is not None:
+            pooled = unclip_adm(unclip, seed, SDXL_MERGE, SDXL_POOLED)[:, :SDXL_POOLED]
         if pooled is None:
             raise ValueError(f"this {self.family} model needs a pooled text feature; encode the prompt with "
                              f"the model's own (SDXL) text encoder")

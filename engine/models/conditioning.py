@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from engine.models.clip import CLIPTextModel
 from engine.models.detect import TextEncoderConfig
+from engine.models.gligen import gligen_position
 from engine.models.tokenizer import EmbeddingVector
 from engine.sampling import guidance
 
@@ -253,9 +254,10 @@ def sdxl_refiner_adm(pooled: torch.Tensor, width: int, height: int, crop_w: int 
 # options dict is open: "pooled_output" [1, P], the SDXL size fields, "guidance" (FluxGuidance), "area"
 # ((h, w, y, x) in latent cells, or ("percentage", h, w, y, x) in fractions of the latent), "strength",
 # "mask" ([B, H, W] at any size) with "mask_strength" and "set_area_to_bounds", "start_percent" /
-# "end_percent" (fractions of the sampling), "control" and "control_apply_to_uncond" (ControlNet), and
-# whatever other nodes add. Nodes never write into an entry: they return new lists of new dicts (the
-# tensors are shared).
+# "end_percent" (fractions of the sampling), "control" and "control_apply_to_uncond" (ControlNet),
+# "unclip_conditioning" (unCLIPConditioning: engine/models/unclip.py), "gligen" (GLIGENTextBoxApply:
+# engine/models/gligen.py), and whatever other nodes add. Nodes never write into an entry: they return new
+# lists of new dicts (the tensors are shared).
 
 ConditioningList = list[list[Any]]
 # (context, options) -> the model's (context, y, guidance) for an entry
@@ -378,5 +380,6 @@ def sampler_entries(conditioning: Any, height: int, width: int, model_sampling: 
             context, y, scale, area=area, mask=mask, mask_strength=float(options.get("mask_strength", 1.0)),
             strength=float(options.get("strength", 1.0)), sigma_start=sigma_start, sigma_end=sigma_end,
             control=options.get("control"),
-            control_apply_to_uncond=bool(options.get("control_apply_to_uncond", False))))
+            control_apply_to_uncond=bool(options.get("control_apply_to_uncond", False)),
+            middle_patch=None if options.get("gligen") is None else gligen_position(options["gligen"])))
     return entries

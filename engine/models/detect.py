@@ -23,7 +23,9 @@ each one from diffusers' `single_file_utils` or the original LDM/SGM configs:
   inpainting models keep their family), else "sd_custom". A lone VAE is family "vae".
 - Prediction: "v" when the file has a `v_pred` or `v_prediction` tensor (ComfyUI's marker) or its metadata
   says so (`prediction_type`, `modelspec.prediction_type` or `sluice.prediction`: v / v_prediction, or
-  eps / epsilon); otherwise "eps". Shapes cannot tell SD2-768-v from SD2-base.
+  eps / epsilon); otherwise "eps", except for an SD2.1 unCLIP UNet (sd2 layout with an ADM input), which
+  is "v" as ComfyUI's SD21UNCLIP. Without text encoders, an ADM input beside a 1024-wide context is sd2.
+  Shapes cannot tell SD2-768-v from SD2-base.
 - VAE scale_factor: 0.13025 for SDXL layouts, else 0.18215; metadata `sluice.vae_scale_factor` overrides.
 """
 
@@ -189,6 +191,7 @@ CANONICAL_TEXT_SETS = {
     "sdxl": ("clip_l", "openclip_g"),
     "sdxl_refiner": ("openclip_g",),
 }
+SD2_UNCLIP_CONTEXT = 1024  # an ADM input beside this context width is SD2.1 unCLIP (sd2 layout)
 FOREIGN_MARKERS = {"joint_blocks.": "SD3", "blocks.0.cross_attn.": "Wan/DiT"}
 
 UNET_ROOTS = {"time_embed", "label_emb", "input_blocks", "middle_block", "output_blocks", "out"}
@@ -364,7 +367,7 @@ def _int_hint(t: _Table, key: str) -> int:
     return int(value)
 
 
-def _prediction(t: _Table) -> str:
+def _prediction(t: _Table, default: str = "eps") -> str:
     if "v_pred" in t or "v_prediction" in t:
         return "v"
     for key in ("sluice.prediction", "modelspec.prediction_type", "prediction_type"):
@@ -377,7 +380,7 @@ def _prediction(t: _Table) -> str:
             raise UnsupportedModelError(
                 f"{t.name}: metadata {key}={t.metadata[key]!r}; accepted: v, v_prediction, eps, epsilon"
             )
-    return "eps"
+    return default
 
 
 def _vae_config(t: _Table, p: str, layout: str) -> VAEConfig:
@@ -464,7 +467,7 @@ def _layout(unet: UNetConfig | None, texts: list[TextEncoderConfig]) -> str:
         return "sdxl_refiner" if x.key_prefix.startswith("conditioner.") or x.kind == "openclip_g" else "sd2"
     if unet is None:
         return "vae"
-    if unet.adm_in_channels is not None:
+    if unet.adm_in_channels is not None and unet.context_dim != SD2_UNCLIP_CONTEXT:
         refiner = unet.context_dim is not None and unet.adm_in_channels == unet.context_dim + 5 * 256
         return "sdxl_refiner" if refiner else "sdxl"
     return "sd2" if unet.use_linear_in_transformer else "sd1"
@@ -571,6 +574,8 @@ def detect(
     family = layout if layout == "vae" or _is_canonical(layout, unet, vae, texts) else "sd_custom"
     if unet is not None:
         unet.family = family
+        if layout == "sd2" and unet.adm_in_channels is not None:  # SD2.1 unCLIP: v unless the file says
+            unet.prediction = _prediction(t, default="v")
     longest_prefix_first = dict(sorted(components.items(), key=lambda item: -len(item[1])))
     stats, unassigned, examples = _stats(t, longest_prefix_first)
     return ModelInfo(

@@ -72,10 +72,11 @@ class FluxDiffusionModel(DiffusionModel):
                              "text encoder (DualCLIPLoader type flux)")
         return self.run_network(x, timesteps, context, y, guidance if self.has_guidance else None)
 
-    def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int,
+    def guidance_conditioning(self, conditioning: ConditioningList, width: int, height: int, seed: int = 0,
                               ) -> list[guidance.Conditioning]:
         """ComfyUI CONDITIONING -> the sampler's entries: per entry (context, y = pooled CLIP-L, guidance) and
-        where and when it applies (engine/models/conditioning.py, sampler_entries)."""
+        where and when it applies (engine/models/conditioning.py, sampler_entries). `seed` is the SD models'
+        (for unCLIP noise augmentation); FLUX does not read it."""
         return sampler_entries(conditioning, height // 8, width // 8, self.model_sampling, self._model_inputs)
 
     def _model_inputs(self, context: torch.Tensor, extras: Mapping[str, Any],

@@ -15,7 +15,10 @@ ResBlock's input), "residual" and "tokens" (a SpatialTransformer's input and its
 target size). Output-block patches (ComfyUI's output_block_patch, e.g. FreeU), when given, are in
 "output_block_patches": each `patch(h, skip) -> (h, skip)` runs before an output block concatenates its
 skip, in order; "patch_signature" holds their repr, a plain value that keys captured CUDA graphs. Control
-residuals (ControlNet, T2I-Adapter), when given, are in "control" (see UNetModel).
+residuals (ControlNet, T2I-Adapter), when given, are in "control" (see UNetModel). A middle patch (ComfyUI's
+middle_patch: GLIGEN's fusers), when given, is in "middle_patch": `patch(tokens, transformer_index) ->
+tokens` runs after each transformer block's self-attention, the index counting the UNet's
+SpatialTransformers in execution order; "middle_patch_signature" is its plain-valued key.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from engine.models.staged import Stage, StagedModel, State, run_stages
 
 StageRun = Callable[[State], State]
 OutputBlockPatch = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # (h, skip)
+MiddlePatch = Callable[[torch.Tensor, int], torch.Tensor]  # (tokens (B, H*W, C), transformer index) -> tokens
 Control = Mapping[str, Sequence[torch.Tensor | None] | None]  # "input" / "middle" / "output" -> residuals
 CONTROL_KINDS = ("input", "middle", "output")
 log = logging.getLogger("sluice.unet")
@@ -388,10 +392,10 @@ class UNetModel(UNetEncoder):
 
     def initial_state(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
                       y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
-                      control: Control | None = None) -> State:
+                      control: Control | None = None, middle_patch: MiddlePatch | None = None) -> State:
         """The first stage's state from x (B, C, H, W), timesteps (B,), context (B, L, D), y (B, adm), the
-        output-block patches and the control residuals (lists under "input", "middle", "output", moved to
-        x's device; copied, as the stages consume them)."""
+        output-block patches, the control residuals (lists under "input", "middle", "output", moved to
+        x's device; copied, as the stages consume them) and the middle patch (module docstring)."""
         self._check_y(y)
         state = {"h": x.to(self.dtype), "timesteps": timesteps, "context": context.to(self.dtype), "y": y,
                  "hs": []}
@@ -401,6 +405,9 @@ class UNetModel(UNetEncoder):
         if control is not None:
             state["control"] = {kind: [None if r is None else r.to(x.device) for r in control.get(kind) or ()]
                                 for kind in CONTROL_KINDS}
+        if middle_patch is not None:
+            state["middle_patch"] = middle_patch
+            state["middle_patch_signature"] = str(getattr(middle_patch, "signature", id(middle_patch)))
         return state
 
     def _build_stages(self) -> list[Stage]:
@@ -413,18 +420,41 @@ class UNetModel(UNetEncoder):
         for i, block in enumerate(self.output_blocks):
             stages += block_stages(f"output_blocks.{i}", block, takes_skip=True)
         stages.append(Stage("out", (self.out,), self._out))
-        return stages
+        return _with_middle_patches(stages)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, context: torch.Tensor,
                 y: torch.Tensor | None = None, output_block_patches: tuple[OutputBlockPatch, ...] = (),
-                control: Control | None = None) -> torch.Tensor:
-        state = run_stages(self.stages(),
-                           self.initial_state(x, timesteps, context, y, output_block_patches, control))
+                control: Control | None = None, middle_patch: MiddlePatch | None = None) -> torch.Tensor:
+        state = run_stages(self.stages(), self.initial_state(x, timesteps, context, y, output_block_patches,
+                                                             control, middle_patch))
         return state["h"].to(x.dtype)
 
     def _out(self, state: State) -> State:
         state["h"] = self.out(state["h"])
         return state
+
+
+def _with_middle_patches(stages: list[Stage]) -> list[Stage]:
+    """Each transformer block's self-attention stage followed by the state's middle patch, if any, given the
+    index of its SpatialTransformer (counted by their "proj_in" stages, in execution order)."""
+    patched, index = [], -1
+    for stage in stages:
+        if stage.name.endswith(".proj_in"):
+            index += 1
+        if stage.name.endswith(".attn1"):
+            stage = Stage(stage.name, stage.modules, _patching_middle(stage.run, index))
+        patched.append(stage)
+    return patched
+
+
+def _patching_middle(run: StageRun, transformer_index: int) -> StageRun:
+    def run_then_patch(state: State) -> State:
+        state = run(state)
+        patch = state.get("middle_patch")
+        if patch is not None:
+            state["tokens"] = patch(state["tokens"], transformer_index)
+        return state
+    return run_then_patch
 
 
 def _per_level(name: str, value: int | tuple[int, ...], levels: int) -> tuple[int, ...]:

@@ -11,7 +11,8 @@ crop of x (its area) is predicted, added to its side's output times the entry's 
 strength * strength; without a mask, an area's inner edges ramp up over FEATHER cells), the multipliers are
 summed, and the output divided by the sum (which starts at COUNT_FLOOR, so a cell no entry covers predicts 0).
 Entries whose crops have one shape, whose contexts can be repeated to one length (at most MAX_TOKEN_REPEAT
-times the shorter), whose y and guidance agree and whose control is the same object run in one batched call.
+times the shorter), whose y and guidance agree and whose control is the same object run in one batched call;
+an entry with a middle patch (GLIGEN's grounding, run inside the UNet's transformers) runs alone.
 
 Before sampling, `prepare_sides` gives every side an entry for each area another side has (ComfyUI's
 create_cond_with_same_area_if_none: the area's own options with the model inputs of the smallest entry of
@@ -47,6 +48,13 @@ FEATHER = 8  # cells over which an area's weight ramps up from each inner edge (
 MAX_TOKEN_REPEAT = 4  # contexts batch together when the LCM of their lengths is at most 4x the shorter one
 
 
+class MiddlePatchSource(Protocol):
+    """What an entry's `middle_patch` offers: the model call's `middle_patch=` input for a call on x
+    (B, C, h, w) (ComfyUI's gligen patch, made per cond per call: such entries never batch with others)."""
+
+    def middle_patch(self, x: torch.Tensor) -> Any: ...
+
+
 class Control(Protocol):
     """What an entry's `control` offers: the model call's `control=` input for a batch of entries (ComfyUI's
     ControlBase.get_control). `inputs` holds the batch's "context" (B, T, C), "y" and "guidance" (or None)."""
@@ -75,6 +83,7 @@ class Conditioning:
     sigma_end: float | None = None  # not applied at sigma below it (ComfyUI's timestep_end)
     control: Control | None = None  # adds its control to the model call (ControlNet)
     control_apply_to_uncond: bool = False  # a positive entry's control also serves the other sides
+    middle_patch: MiddlePatchSource | None = None  # GLIGEN's grounding (runs inside the UNet's transformers)
 
     def __post_init__(self) -> None:
         if self.context.ndim != 3:
@@ -285,6 +294,8 @@ def _batches_with(piece: _Piece, first: _Piece) -> bool:
     a, b = piece.entry, first.entry
     if piece.x.shape != first.x.shape or a.control is not b.control:
         return False
+    if (a.middle_patch is not None or b.middle_patch is not None) and piece is not first:
+        return False
     if (a.y is None) != (b.y is None) or (a.y is not None and a.y.shape[1:] != b.y.shape[1:]):
         return False
     if (a.guidance is None) != (b.guidance is None) or (a.concat is None) != (b.concat is None):
@@ -334,6 +345,8 @@ def _run_batch(model: Any, group: list[_Piece], sigma: torch.Tensor, extra_args:
     if first.control is not None:
         batch_inputs = {"context": inputs["context"], "y": inputs["y"], "guidance": inputs.get("guidance")}
         inputs["control"] = first.control.get_control(x, sigmas, batch_inputs, chunks)
+    if first.middle_patch is not None:
+        inputs["middle_patch"] = first.middle_patch.middle_patch(x)
     return model(x, sigmas, **inputs, **extra_args).chunk(chunks)
 
 
