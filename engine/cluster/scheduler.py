@@ -1,0 +1,157 @@
+"""The driver's side: Ray workers (one actor per GPU, or per CPU core) and one queue of jobs over them.
+
+Placement: each worker is taken to hold the models of the last job given to it (its executor caches that
+job's loaders). A job goes to a free worker whose held models include the job's (the loaders' cache
+signatures), else to the least loaded free worker. A worker is free while it has fewer than `depth` jobs
+given to it (a second one waits in the actor, so it never idles between jobs).
+
+Faults: a worker that dies (killed, out of memory, its host gone: RayActorError) is dropped and each of its
+jobs goes back to the front of the queue, at most `retries` times per job; after that the job fails with the
+reason. A failed node fails its job once, without retry (it would fail again).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cluster import ClusterError, require_ray
+from engine.cluster.worker import SluiceWorker, WorkerResult
+
+
+@dataclass
+class Job:
+    index: int  # place in the grid (0-based)
+    document: str  # the Sluice document as JSON, overrides applied
+    overrides: dict[str, str] = field(default_factory=dict)  # "NODE_ID.INPUT" -> value text, as swept
+    model_keys: frozenset[str] = frozenset()  # cache signatures of the job's model loaders
+    attempts: int = 0  # times a worker died running it
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # "finished" | "failed" | "interrupted" | "invalid" | "lost" (workers died `retries` times)
+    images: list[tuple[str, bytes]] = field(default_factory=list)
+    message: str = ""
+    worker: str = ""
+
+
+def model_keys(workflow: Any, lookup: Callable[[str], Any], settings: Any = None) -> frozenset[str]:
+    """The cache signatures of the workflow's model loaders (nodes with a memory module): the same document
+    gives the same keys, so two jobs with equal keys need the same models."""
+    from engine.graph.executor import Executor
+
+    signatures = Executor(lookup, settings=settings).signatures(workflow)
+    return frozenset(f"{node_id}:{signature}" for node_id, signature in signatures.items()
+                     if getattr(lookup(workflow.nodes[node_id].type), "memory_module", None))
+
+
+def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: bool,
+                  memory_flags: dict[str, Any] | None = None, models_root: str | None = None,
+                  plugins_dir: str | None = None) -> list[Any]:
+    """`count` SluiceWorker actors on the connected Ray cluster, each with one GPU (`gpus`) or one CPU."""
+    ray = require_ray()
+    if count < 1:
+        raise ClusterError(f"--workers {count}: expected at least 1")
+    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    actor = ray.remote(SluiceWorker).options(max_concurrency=2, **resources)
+    return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
+
+
+def default_worker_count(ray: Any) -> tuple[int, bool]:
+    """(workers, on GPUs): one per GPU of the cluster, else one per CPU."""
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    return (gpus, True) if gpus else (max(1, int(resources.get("CPU", 1))), False)
+
+
+@dataclass
+class _Worker:
+    handle: Any
+    running: dict[Any, Job] = field(default_factory=dict)  # object ref -> job
+    held: frozenset[str] = frozenset()
+    done: int = 0
+
+
+class Scheduler:
+    def __init__(self, workers: list[Any], retries: int = 2, depth: int = 2) -> None:
+        if not workers:
+            raise ClusterError("no workers to schedule on")
+        if retries < 0 or depth < 1:
+            raise ClusterError(f"retries {retries}, depth {depth}: expected retries >= 0 and depth >= 1")
+        self.workers = [_Worker(handle) for handle in workers]
+        self.retries = retries
+        self.depth = depth
+        self.deaths: list[str] = []  # why each dropped worker died
+        self._stopping = False
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
+        """Run every job; yields each outcome as it arrives (not in grid order)."""
+        ray = require_ray()
+        pending: deque[Job] = deque(jobs)
+        while pending or any(worker.running for worker in self.workers):
+            if self._stopping:
+                yield from (Outcome(job, "interrupted", message="interrupted before it started")
+                            for job in pending)
+                pending.clear()
+            if not self.workers:
+                reason = "; ".join(self.deaths) or "no workers"
+                yield from (Outcome(job, "lost", message=f"no worker left: {reason}") for job in pending)
+                return
+            self._assign(pending)
+            refs = [ref for worker in self.workers for ref in worker.running]
+            if not refs:
+                continue
+            ready, _ = ray.wait(refs, num_returns=1)
+            yield from self._collect(ready[0], pending, ray)
+
+    def interrupt(self) -> None:
+        """Stop: no new job starts, and every worker interrupts its running one."""
+        self._stopping = True
+        for worker in self.workers:
+            worker.handle.interrupt.remote()
+
+    def _assign(self, pending: deque[Job]) -> None:
+        while pending and not self._stopping:
+            job = pending[0]
+            free = [worker for worker in self.workers if len(worker.running) < self.depth]
+            if not free:
+                return
+            holders = [worker for worker in free if job.model_keys and job.model_keys <= worker.held]
+            worker = min(holders or free, key=lambda w: (len(w.running), w.done))
+            pending.popleft()
+            worker.running[worker.handle.run.remote(job.document)] = job
+            worker.held = job.model_keys
+
+    def _collect(self, ref: Any, pending: deque[Job], ray: Any) -> Iterator[Outcome]:
+        worker = next(worker for worker in self.workers if ref in worker.running)
+        job = worker.running.pop(ref)
+        try:
+            result: WorkerResult = ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            self.workers.remove(worker)
+            self.deaths.append(_first_line(error))
+            for lost in [job, *worker.running.values()]:  # its queued jobs die with it
+                lost.attempts += 1
+                if lost.attempts > self.retries:
+                    yield Outcome(lost, "lost", message=f"its worker died {lost.attempts} times; last: "
+                                                        f"{_first_line(error)}")
+                else:
+                    pending.appendleft(lost)
+            return
+        worker.done += 1
+        yield Outcome(job, result.status, result.images, result.message, result.worker)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def progress_line(done: int, failed: int, total: int, workers: int, started: float) -> str:
+    rate = done / max(time.perf_counter() - started, 1e-9)
+    return f"[{done + failed}/{total}] {done} images, {failed} failed, {workers} workers, {rate:.2f} jobs/s"
