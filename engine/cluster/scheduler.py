@@ -12,7 +12,6 @@ reason. A failed node fails its job once, without retry (it would fail again).
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -106,8 +105,9 @@ class Scheduler:
             refs = [ref for worker in self.workers for ref in worker.running]
             if not refs:
                 continue
-            ready, _ = ray.wait(refs, num_returns=1)
-            yield from self._collect(ready[0], pending, ray)
+            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)  # a timeout lets Ctrl+C be handled
+            if ready:
+                yield from self._collect(ready[0], pending, ray)
 
     def interrupt(self) -> None:
         """Stop: no new job starts, and every worker interrupts its running one."""
@@ -151,7 +151,3 @@ def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
-
-def progress_line(done: int, failed: int, total: int, workers: int, started: float) -> str:
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    return f"[{done + failed}/{total}] {done} images, {failed} failed, {workers} workers, {rate:.2f} jobs/s"

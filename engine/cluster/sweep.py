@@ -21,7 +21,8 @@ class Sweep:
 
 
 def parse_sweep(text: str, base: Path | None = None) -> Sweep:
-    """`6.seed=1..1000`, `3.text=@prompts.txt` (relative to `base`, default the current folder), `6.cfg=4,6`."""
+    """`6.seed=1..1000`, `3.text=@prompts.txt` (relative to `base`, default the current folder) or
+    `6.cfg=4,6`; ClusterError names a bad one."""
     key, equals, spec = text.partition("=")
     node_id, dot, name = key.partition(".")
     if not equals or not dot or not node_id or not name or not spec:
@@ -30,9 +31,11 @@ def parse_sweep(text: str, base: Path | None = None) -> Sweep:
     if (match := _RANGE.match(spec)) is not None:
         first, last = int(match.group(1)), int(match.group(2))
         if last < first:
-            raise ClusterError(f"--sweep {text!r}: the range {first}..{last} is empty; expected A..B with A <= B")
+            raise ClusterError(f"--sweep {text!r}: the range {first}..{last} is empty; expected A..B with "
+                               f"A <= B")
         if last - first + 1 > MAX_GRID:
-            raise ClusterError(f"--sweep {text!r}: {last - first + 1} values; at most {MAX_GRID} are accepted")
+            raise ClusterError(f"--sweep {text!r}: {last - first + 1} values; at most {MAX_GRID} are "
+                               f"accepted")
         return Sweep(key, tuple(str(value) for value in range(first, last + 1)))
     if spec.startswith("@"):
         path = (base or Path.cwd()) / Path(spec[1:]).expanduser()

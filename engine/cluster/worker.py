@@ -1,6 +1,6 @@
-"""SluiceWorker: what one Ray actor runs. It owns one Executor and its process's memory runtime, so models stay
-loaded between jobs (the executor's cache keeps the last job's loaders), and its own budget: the memory flags
-of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
+"""SluiceWorker: what one Ray actor runs. It owns one Executor and its process's memory runtime, so models
+stay loaded between jobs (the executor's cache keeps the last job's loaders), and its own budget: the memory
+flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
 
 A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
 reads the files back, deletes them and returns their names and bytes, which the driver writes locally.
@@ -53,7 +53,8 @@ class SluiceWorker:
         from engine.settings import load_settings
 
         self._folder = Path(tempfile.mkdtemp(prefix="sluice-worker-"))
-        self.settings = load_settings(models_root=models_root, output_dir=self._folder, plugins_dir=plugins_dir)
+        self.settings = load_settings(models_root=models_root, output_dir=self._folder,
+                                      plugins_dir=plugins_dir)
         registry = registry_factory(self.settings)
         self.lookup = registry.get
         self.flags = {name: value for name, value in (memory_flags or {}).items() if value}
@@ -120,5 +121,6 @@ def _reason(result: Any) -> str:
         return "; ".join(str(error) for error in result.errors)
     if result.failure is not None:
         failure = result.failure
-        return f"node {failure.node_id} ({failure.node_type}) failed: {failure.exception_type}: {failure.message}"
+        return (f"node {failure.node_id} ({failure.node_type}) failed: {failure.exception_type}: "
+                f"{failure.message}")
     return "" if result.status == "finished" else f"job {result.status}"
