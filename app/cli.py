@@ -574,7 +574,7 @@ def progress_line(done: int, failed: int, total: int, workers: int, started: flo
     import time
 
     rate = done / max(time.perf_counter() - started, 1e-9)
-    return f"[{done + failed}/{total}] {done} done, {failed} not, {workers} workers, {rate:.2f} jobs/s"
+    return f"[{done + failed}/{total}] {done} done, {failed} failed, {workers} workers, {rate:.2f} jobs/s"
 
 
 def _add_validate_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
