@@ -92,6 +92,7 @@ class SluiceWorker:
                     self.runtime.configure(memory_settings(self.flags, memory))
                     self._memory = memory
                 result = self.executor.run(workflow)
+                self.executor.forget(list(result.outputs))  # a repeated job saves its images again
             except PlacementError as error:
                 return WorkerResult("invalid", message=f"invalid memory settings: {error}", worker=self.name)
             except Exception as error:  # an engine bug fails this job, not the worker

@@ -59,23 +59,34 @@ def _pixels(data: bytes) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def alone() -> dict[str, np.ndarray]:
-    """Each seed run alone, in this process: seed text -> pixels. With one torch thread, as each Ray worker of
-    one CPU has (Ray sets OMP_NUM_THREADS): two threads change a few pixels by one level."""
+def local_worker():
+    """A worker in this process, with one torch thread as each Ray worker of one CPU has (Ray sets
+    OMP_NUM_THREADS): two threads change a few pixels by one level."""
     worker = SluiceWorker(default_registry)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        results = {}
-        for job in _jobs(default_registry(load_settings())):
-            result = worker.run(job.document)
-            assert result.status == "finished", result.message
-            (name, data), = result.images
-            results[job.overrides[f"{SEED}.seed"]] = _pixels(data)
-        return results
-    finally:
-        torch.set_num_threads(threads)
-        worker.close()
+    yield worker
+    torch.set_num_threads(threads)
+    worker.close()
+
+
+@pytest.fixture(scope="module")
+def alone(local_worker) -> dict[str, np.ndarray]:
+    """Each seed run alone, in this process: seed text -> pixels."""
+    results = {}
+    for job in _jobs(default_registry(load_settings())):
+        result = local_worker.run(job.document)
+        assert result.status == "finished", result.message
+        (name, data), = result.images
+        assert name == "sluice_00001_.png"  # the worker's folder is emptied after each job
+        results[job.overrides[f"{SEED}.seed"]] = _pixels(data)
+    return results
+
+
+def test_a_repeated_job_saves_its_image_again(local_worker, alone) -> None:
+    result = local_worker.run(_document(1000))
+    assert result.status == "finished" and len(result.images) == 1
+    assert np.array_equal(_pixels(result.images[0][1]), alone["1000"])
 
 
 def _check_output(folder: Path, alone: dict[str, np.ndarray]) -> None:
