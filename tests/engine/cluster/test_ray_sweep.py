@@ -84,9 +84,10 @@ def alone(local_worker) -> dict[str, np.ndarray]:
 
 
 def test_a_repeated_job_saves_its_image_again(local_worker, alone) -> None:
-    result = local_worker.run(_document(1000))
+    last = 1000 + COUNT - 1  # the job `alone` ran last: every node's result is cached
+    result = local_worker.run(_document(last))
     assert result.status == "finished" and len(result.images) == 1
-    assert np.array_equal(_pixels(result.images[0][1]), alone["1000"])
+    assert np.array_equal(_pixels(result.images[0][1]), alone[str(last)])
 
 
 def _check_output(folder: Path, alone: dict[str, np.ndarray]) -> None:
