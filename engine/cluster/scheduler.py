@@ -1,9 +1,10 @@
 """The driver's side: Ray workers (one actor per GPU, or per CPU core) and one queue of jobs over them.
 
 Placement: each worker is taken to hold the models of the last job given to it (its executor caches that
-job's loaders). A job goes to a free worker whose held models include the job's (the loaders' cache
-signatures), else to the least loaded free worker. A worker is free while it has fewer than `depth` jobs
-given to it (a second one waits in the actor, so it never idles between jobs).
+job's loaders). A job goes to the least loaded worker, and among equally loaded ones to one whose held
+models include the job's (the loaders' cache signatures): an idle worker that holds them first, else any
+idle one, else a busy one with room. A worker has room while it has fewer than `depth` jobs given to it (a
+second one waits in the actor, so the worker does not idle between jobs).
 
 Faults: a worker that dies (killed, out of memory, its host gone: RayActorError) is dropped and each of its
 jobs goes back to the front of the queue, at most `retries` times per job; after that the job fails with the
@@ -49,23 +50,27 @@ def model_keys(workflow: Any, lookup: Callable[[str], Any], settings: Any = None
                      if getattr(lookup(workflow.nodes[node_id].type), "memory_module", None))
 
 
-def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: bool,
+def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: float = 0.0,
                   memory_flags: dict[str, Any] | None = None, models_root: str | None = None,
                   plugins_dir: str | None = None) -> list[Any]:
-    """`count` SluiceWorker actors on the connected Ray cluster, each with one GPU (`gpus`) or one CPU."""
+    """`count` SluiceWorker actors on the connected Ray cluster, each with `gpus` GPUs (1: a GPU of its own;
+    0.5: two workers share one, each under its own --max-vram) or, with gpus 0, one CPU."""
     ray = require_ray()
     if count < 1:
         raise ClusterError(f"--workers {count}: expected at least 1")
-    resources = {"num_gpus": 1} if gpus else {"num_cpus": 1}
+    if gpus < 0 or (gpus > 1 and gpus != int(gpus)):
+        raise ClusterError(f"{gpus} GPUs per worker: expected 0 (a CPU worker), a fraction of one, or a "
+                           f"whole number")
+    resources = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
     actor = ray.remote(SluiceWorker).options(max_concurrency=2, **resources)
     return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
 
 
-def default_worker_count(ray: Any) -> tuple[int, bool]:
-    """(workers, on GPUs): one per GPU of the cluster, else one per CPU."""
+def default_worker_count(ray: Any) -> tuple[int, float]:
+    """(workers, GPUs per worker): one per GPU of the cluster, else one per CPU."""
     resources = ray.cluster_resources()
     gpus = int(resources.get("GPU", 0))
-    return (gpus, True) if gpus else (max(1, int(resources.get("CPU", 1))), False)
+    return (gpus, 1.0) if gpus else (max(1, int(resources.get("CPU", 1))), 0.0)
 
 
 @dataclass
@@ -121,8 +126,8 @@ class Scheduler:
             free = [worker for worker in self.workers if len(worker.running) < self.depth]
             if not free:
                 return
-            holders = [worker for worker in free if job.model_keys and job.model_keys <= worker.held]
-            worker = min(holders or free, key=lambda w: (len(w.running), w.done))
+            worker = min(free, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
+                len(w.running), not (keys and keys <= w.held), w.done))
             pending.popleft()
             worker.running[worker.handle.run.remote(job.document)] = job
             worker.held = job.model_keys

@@ -105,7 +105,7 @@ def _check_output(folder: Path, alone: dict[str, np.ndarray]) -> None:
 
 def _sweep(tmp_path: Path, kill_after: int | None) -> tuple[Scheduler, list]:
     registry = default_registry(load_settings())
-    workers = start_workers(2, default_registry, gpus=False)
+    workers = start_workers(2, default_registry)
     scheduler = Scheduler(workers, retries=2)
     settings = Settings(tmp_path / "models", tmp_path / "out", None)
     outcomes = []
