@@ -481,14 +481,18 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                         help="times a job whose worker died runs again elsewhere (default 2)")
 
 
-def _connect_ray(ray: Any, address: str) -> None:
+def _connect_ray(ray: Any, address: str) -> bool:
+    """Connect this process to Ray; False when it already was (then the caller leaves it connected)."""
+    if ray.is_initialized():
+        return False
     if address != "auto":
         ray.init(address=address, log_to_driver=False)
-        return
+        return True
     try:
         ray.init(address="auto", log_to_driver=False)
     except ConnectionError:  # no cluster running on this machine: start one
         ray.init(include_dashboard=False, log_to_driver=False)
+    return True
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -532,7 +536,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         overrides = dict(text.split("=", 1) for text in sets)
         jobs.append(Job(index, workflow.dumps(), overrides, model_keys(workflow, registry.get, settings)))
     flags = {name: getattr(args, name) for name in MEMORY_FLAGS if getattr(args, name, None)}
-    _connect_ray(ray, args.ray)
+    connected = _connect_ray(ray, args.ray)
     try:
         count, gpus = default_worker_count(ray)
         workers = start_workers(args.workers or count, default_registry, gpus, flags,
@@ -563,7 +567,10 @@ def run_sweep(args: argparse.Namespace) -> int:
                       flush=True)
     if terminal and not args.quiet:
         print(file=sys.stderr)
-    ray.shutdown()
+    for handle in workers:
+        ray.kill(handle, no_restart=True)
+    if connected:
+        ray.shutdown()
     if interrupted:
         print("sluice: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -91,8 +91,9 @@ def measure(workflow: Workflow, count: int, images: int, gpus: float, flags: dic
     workers = start_workers(count, default_registry, gpus, flags, models)
     try:
         began = time.perf_counter()  # one job per worker: each loads the models
+        warm_jobs = jobs(workflow, range(images, images + count))  # seeds the sweep does not use
         warm = ray.get([worker.run.remote(job.document)
-                        for worker, job in zip(workers, jobs(workflow, range(-count, 0)), strict=True)])
+                        for worker, job in zip(workers, warm_jobs, strict=True)])
         warm_up = time.perf_counter() - began
         began = time.perf_counter()
         done = list(Scheduler(workers, retries=0).run(jobs(workflow, range(images))))

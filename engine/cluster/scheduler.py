@@ -21,6 +21,8 @@ from typing import Any
 from engine.cluster import ClusterError, require_ray
 from engine.cluster.worker import SluiceWorker, WorkerResult
 
+MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has a thread more, for interrupt)
+
 
 @dataclass
 class Job:
@@ -62,7 +64,7 @@ def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: floa
         raise ClusterError(f"{gpus} GPUs per worker: expected 0 (a CPU worker), a fraction of one, or a "
                            f"whole number")
     resources = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
-    actor = ray.remote(SluiceWorker).options(max_concurrency=2, **resources)
+    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 1, **resources)  # + 1: interrupt
     return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
 
 
@@ -85,8 +87,9 @@ class Scheduler:
     def __init__(self, workers: list[Any], retries: int = 2, depth: int = 2) -> None:
         if not workers:
             raise ClusterError("no workers to schedule on")
-        if retries < 0 or depth < 1:
-            raise ClusterError(f"retries {retries}, depth {depth}: expected retries >= 0 and depth >= 1")
+        if retries < 0 or not 1 <= depth <= MAX_DEPTH:
+            raise ClusterError(f"retries {retries}, depth {depth}: expected retries >= 0 and depth "
+                               f"1..{MAX_DEPTH}")
         self.workers = [_Worker(handle) for handle in workers]
         self.retries = retries
         self.depth = depth

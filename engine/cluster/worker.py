@@ -43,8 +43,9 @@ def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> A
 
 
 class SluiceWorker:
-    """One worker: `run(document_json)` runs a job; `interrupt()` stops the running one (call it from another
-    thread: the actor is made with max_concurrency 2, and a lock keeps runs one at a time)."""
+    """One worker: `run(document_json)` runs a job; `interrupt()` stops the running one and those waiting
+    (call it from another thread: the actor has more threads than the jobs given to it at once, and a lock
+    keeps runs one at a time)."""
 
     def __init__(self, registry_factory: Callable[[Any], Any], memory_flags: dict[str, Any] | None = None,
                  models_root: str | None = None, plugins_dir: str | None = None) -> None:
@@ -64,11 +65,14 @@ class SluiceWorker:
         self.executor = Executor(self.lookup, settings=self.settings)
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._run_lock = threading.Lock()
+        self._interrupted_at = -1.0  # time.monotonic() of the last interrupt
 
     def ping(self) -> str:
         return self.name
 
     def interrupt(self) -> None:
+        """Stop the running job, and the jobs already given that wait for it."""
+        self._interrupted_at = time.monotonic()
         self.executor.interrupt()
 
     def run(self, document: str) -> WorkerResult:
@@ -76,7 +80,10 @@ class SluiceWorker:
         from engine.graph.document import Workflow
         from engine.placement import PlacementError
 
+        called = time.monotonic()
         with self._run_lock:
+            if self._interrupted_at > called:
+                return WorkerResult("interrupted", message="interrupted before it started", worker=self.name)
             started = time.perf_counter()
             saved: list[str] = []
 

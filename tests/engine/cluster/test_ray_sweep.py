@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +19,7 @@ from PIL import Image
 
 ray = pytest.importorskip("ray")
 
-from app.cli import default_workflow_path  # noqa: E402
+from app.cli import default_workflow_path, main  # noqa: E402
 from engine.cluster.output import OVERRIDES_CHUNK, write_image  # noqa: E402
 from engine.cluster.scheduler import Job, Scheduler, model_keys, start_workers  # noqa: E402
 from engine.cluster.worker import SluiceWorker  # noqa: E402
@@ -134,3 +136,27 @@ def test_a_worker_killed_halfway_loses_no_image(cluster, alone, tmp_path: Path) 
     assert len(scheduler.deaths) == 1 and len(scheduler.workers) == 1
     assert any(o.job.attempts == 1 for o in outcomes)  # a job the dead worker held ran again elsewhere
     _check_output(tmp_path / "out", alone)
+
+
+def test_an_interrupt_stops_the_jobs_waiting_for_the_running_one(local_worker) -> None:
+    finished = []
+    with local_worker._run_lock:  # a job is running
+        waiting = threading.Thread(target=lambda: finished.append(local_worker.run(_document(7))))
+        waiting.start()
+        time.sleep(0.2)
+        local_worker.interrupt()
+    waiting.join()
+    assert finished[0].status == "interrupted" and finished[0].images == []
+
+
+def test_sluice_run_sweeps_seeds_on_ray(cluster, alone, tmp_path: Path, capsys) -> None:
+    seeds = "6.seed=1000..1001"
+    assert main(["run", str(default_workflow_path()), "--set", "6.steps=2", "--set", "5.width=64", "--set",
+                 "5.height=64", "--sweep", seeds, "--ray", "auto", "--workers", "1", "--output",
+                 str(tmp_path), "--quiet"]) == 0
+    written = sorted(Path(line) for line in capsys.readouterr().out.split())
+    assert written == sorted(tmp_path.glob("*.png")) and len(written) == 2
+    for path in written:
+        seed = json.loads(png_text(path)[OVERRIDES_CHUNK])["6.seed"]
+        assert np.array_equal(_pixels(path.read_bytes()), alone[seed])
+    assert ray.is_initialized()  # the test's Ray stays connected
