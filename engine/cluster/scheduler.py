@@ -143,13 +143,19 @@ class Scheduler:
         except ray.exceptions.RayActorError as error:
             self.workers.remove(worker)
             self.deaths.append(_first_line(error))
-            for lost in [job, *worker.running.values()]:  # its queued jobs die with it
+            again = []
+            for lost in [job, *worker.running.values()]:  # its waiting jobs die with it
                 lost.attempts += 1
                 if lost.attempts > self.retries:
                     yield Outcome(lost, "lost", message=f"its worker died {lost.attempts} times; last: "
                                                         f"{_first_line(error)}")
                 else:
-                    pending.appendleft(lost)
+                    again.append(lost)
+            pending.extendleft(reversed(again))  # back at the front, in their order
+            return
+        except ray.exceptions.RayError as error:  # the job's own failure that the worker could not catch
+            worker.done += 1
+            yield Outcome(job, "failed", message=_first_line(error))
             return
         worker.done += 1
         yield Outcome(job, result.status, result.images, result.message, result.worker)

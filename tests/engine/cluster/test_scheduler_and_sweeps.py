@@ -25,26 +25,32 @@ from engine.images import png_text, save_png
 from engine.settings import Settings
 
 
-class ActorDied(Exception):
+class RayError(Exception):
+    pass
+
+
+class ActorDied(RayError):
     pass
 
 
 class FakeRay:
     """ray.wait / ray.get over FakeWorkers: a ref is done when made; a worker in `dead` raises ActorDied."""
 
-    exceptions = SimpleNamespace(RayActorError=ActorDied)
+    exceptions = SimpleNamespace(RayActorError=ActorDied, RayError=RayError)
 
     def __init__(self) -> None:
         self.dead: set[str] = set()
 
     def wait(self, refs, num_returns, timeout):  # the oldest job finishes first
-        oldest = min(refs, key=lambda ref: int(ref[1][1:]))
+        oldest = min(refs, key=lambda ref: int(ref[1][1:].removesuffix("boom")))
         return [oldest], [ref for ref in refs if ref is not oldest]
 
     def get(self, ref):
         worker, document = ref
         if worker.name in self.dead:
             raise ActorDied(f"The actor {worker.name} died unexpectedly")
+        if document.endswith("boom"):
+            raise RayError("RayTaskError: the worker could not return")
         worker.ran.append(document)
         return WorkerResult("finished", [(f"{document}_00001_.png", b"")], worker=worker.name)
 
@@ -82,6 +88,13 @@ def test_a_dead_workers_jobs_run_elsewhere_then_fail_after_the_retries(fake_ray:
     fake_ray.dead.add("b")
     outcomes = list(Scheduler([FakeWorker("a"), FakeWorker("b")], retries=1).run([Job(0, "j0")]))
     assert [o.status for o in outcomes] == ["lost"] and "died" in outcomes[0].message
+
+
+def test_a_job_that_fails_in_ray_fails_once(fake_ray: FakeRay) -> None:
+    a = FakeWorker("a")
+    outcomes = list(Scheduler([a], retries=2).run([Job(0, "j0boom"), Job(1, "j1")]))
+    assert [(o.job.index, o.status) for o in outcomes] == [(0, "failed"), (1, "finished")]
+    assert "RayTaskError" in outcomes[0].message and a.ran == ["j1"]
 
 
 def test_sweeps_and_their_grid(tmp_path: Path) -> None:
