@@ -536,7 +536,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         overrides = dict(text.split("=", 1) for text in sets)
         jobs.append(Job(index, workflow.dumps(), overrides, model_keys(workflow, registry.get, settings)))
     flags = {name: getattr(args, name) for name in MEMORY_FLAGS if getattr(args, name, None)}
-    connected = _connect_ray(ray, args.ray)
+    try:
+        connected = _connect_ray(ray, args.ray)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise CommandError(f"--ray {args.ray}: cannot connect to Ray: {str(error).strip()}; start a cluster "
+                           f"with `ray start --head` and give its address, or use --ray auto") from None
     try:
         count, gpus = default_worker_count(ray)
         workers = start_workers(args.workers or count, default_registry, gpus, flags,
