@@ -491,6 +491,7 @@ def _add_run_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
                              "stay loaded between runs; the images still go to the output folder")
     parser.add_argument("--auth-token", metavar="TOKEN",
                         help="the server's auth token (or SLUICE_AUTH_TOKEN)")
+    _add_cluster_options(parser)
     _add_memory_options(parser)
     parser.set_defaults(handler=command_run)
 
@@ -508,11 +509,138 @@ def _add_run_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
 
 
 def command_run(args: argparse.Namespace) -> int:
+    if args.ray:
+        return run_sweep(args)
+    if args.sweep:
+        raise CommandError("--sweep runs on Ray workers; add --ray auto (a running or new local Ray) or "
+                           "--ray ADDRESS (e.g. --ray 10.0.0.5:6379)")
     if args.server:
         from app.server.client import run_on_server
 
         return run_on_server(args.workflow, args)
     return run_workflow(args.workflow, args)
+
+
+# -- `sluice run --sweep ... --ray ADDRESS`: one workflow fanned out over Ray workers (engine/cluster) --
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sweep", action="append", metavar="NODE_ID.INPUT=VALUES",
+                        help="run the workflow once per value: A..B (integers), @FILE (one value a line) or "
+                             "a,b,c; several --sweep make their product; needs --ray")
+    parser.add_argument("--ray", metavar="auto|ADDRESS",
+                        help="run on Ray: 'auto' joins the Ray cluster of this machine (`ray start --head`) "
+                             "or starts a local one; ADDRESS joins that cluster (needs sluice[cluster])")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="Ray workers to start (default: one per GPU of the cluster, else one per CPU)")
+    parser.add_argument("--retries", type=int, default=2, metavar="N",
+                        help="times a job whose worker died runs again elsewhere (default 2)")
+
+
+def _connect_ray(ray: Any, address: str) -> bool:
+    """Connect this process to Ray; False when it already was (then the caller leaves it connected)."""
+    if ray.is_initialized():
+        return False
+    if address != "auto":
+        ray.init(address=address, log_to_driver=False)
+        return True
+    try:
+        ray.init(address="auto", log_to_driver=False)
+    except ConnectionError:  # no cluster running on this machine: start one
+        ray.init(include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    """The grid of `--sweep` overrides over Ray workers; images are written locally as they arrive."""
+    import time
+
+    from engine.cluster import ClusterError, require_ray
+    from engine.cluster.output import write_image
+    from engine.cluster.scheduler import Job, Scheduler, default_worker_count, model_keys, start_workers
+    from engine.cluster.sweep import grid, parse_sweep
+    from engine.graph.job_guard import FORCE_KEY
+    from engine.graph.validate import validate
+    from nodes.registry import default_registry
+
+    try:
+        ray = require_ray()
+        combinations = grid([parse_sweep(text) for text in args.sweep or []])
+    except ClusterError as error:
+        raise CommandError(str(error)) from None
+    settings = _settings(args)
+    registry = _registry(settings)
+    base = _load_workflow(args.workflow, registry.get)
+    apply_overrides(base, args.set or [], registry.get)
+    if getattr(args, "force", False):
+        base.settings[FORCE_KEY] = True
+    apply_memory_defaults(base, settings)
+    try:
+        configure_memory(args, base)  # checks the flags and settings here, before any worker starts
+    except MemorySettingsError as error:
+        print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    jobs = []
+    for index, sets in enumerate(combinations):
+        workflow = Workflow.loads(base.dumps())
+        apply_overrides(workflow, sets, registry.get)
+        errors = validate(workflow, registry.get)
+        if errors:
+            for error in errors:
+                print(f"sluice: invalid ({', '.join(sets)}): {error}", file=sys.stderr)
+            return EXIT_FAILED
+        overrides = dict(text.split("=", 1) for text in sets)
+        jobs.append(Job(index, workflow.dumps(), overrides, model_keys(workflow, registry.get, settings)))
+    flags = {name: getattr(args, name) for name in MEMORY_FLAGS if getattr(args, name, None)}
+    try:
+        connected = _connect_ray(ray, args.ray)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        raise CommandError(f"--ray {args.ray}: cannot connect to Ray: {str(error).strip()}; start a cluster "
+                           f"with `ray start --head` and give its address, or use --ray auto") from None
+    try:
+        count, gpus = default_worker_count(ray)
+        workers = start_workers(args.workers or count, default_registry, gpus, flags,
+                                str(settings.models_root) if args.models else None,
+                                str(settings.plugins_dir) if args.plugins else None)
+        scheduler = Scheduler(workers, retries=args.retries)
+    except ClusterError as error:
+        raise CommandError(str(error)) from None
+    done = failed = interrupted = 0
+    started = time.perf_counter()
+    terminal = sys.stderr.isatty()
+    with _interrupt_on_ctrl_c(scheduler):
+        for outcome in scheduler.run(jobs):
+            for name, data in outcome.images:
+                print_saved_files([str(write_image(settings, name, data, outcome.job.overrides))])
+            if outcome.status == "finished":
+                done += 1
+            elif outcome.status == "interrupted":
+                interrupted += 1
+            else:
+                failed += 1
+                sets = ", ".join(f"{k}={v}" for k, v in outcome.job.overrides.items())
+                print(f"\nsluice: job {outcome.job.index + 1} ({sets}) {outcome.status}: {outcome.message}",
+                      file=sys.stderr)
+            if not args.quiet:
+                line = progress_line(done, failed + interrupted, len(jobs), len(scheduler.workers), started)
+                print(("\r" if terminal else "") + line, end="" if terminal else "\n", file=sys.stderr,
+                      flush=True)
+    if terminal and not args.quiet:
+        print(file=sys.stderr)
+    for handle in workers:
+        ray.kill(handle, no_restart=True)
+    if connected:
+        ray.shutdown()
+    if interrupted:
+        print("sluice: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def progress_line(done: int, failed: int, total: int, workers: int, started: float) -> str:
+    import time
+
+    rate = done / max(time.perf_counter() - started, 1e-9)
+    return f"[{done + failed}/{total}] {done} done, {failed} failed, {workers} workers, {rate:.2f} jobs/s"
 
 
 def _add_validate_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:

@@ -89,6 +89,17 @@ class Executor:
         with self._cache_lock:
             return sorted(self._cache, key=id_sort_key)
 
+    def forget(self, node_ids: list[str]) -> None:
+        """Drop the cached results of these nodes, so that the next run runs them again (e.g. a save node)."""
+        with self._cache_lock:
+            for node_id in node_ids:
+                self._cache.pop(node_id, None)
+
+    def signatures(self, workflow: Workflow) -> dict[str, str]:
+        """The cache signature of every node the output nodes need (node id -> hash), as `run` computes it;
+        the workflow must be valid."""
+        return dict(self._plan(workflow).signatures)
+
     def run(self, workflow: Workflow, job_id: str | None = None) -> JobResult:
         job_id = job_id or uuid.uuid4().hex[:12]
         started = time.perf_counter()

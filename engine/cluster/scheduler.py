@@ -1,0 +1,167 @@
+"""The driver's side: Ray workers (one actor per GPU, or per CPU core) and one queue of jobs over them.
+
+Placement: each worker is taken to hold the models of the last job given to it (its executor caches that
+job's loaders). A job goes to the least loaded worker, and among equally loaded ones to one whose held
+models include the job's (the loaders' cache signatures): an idle worker that holds them first, else any
+idle one, else a busy one with room. A worker has room while it has fewer than `depth` jobs given to it (a
+second one waits in the actor, so the worker does not idle between jobs).
+
+Faults: a worker that dies (killed, out of memory, its host gone: RayActorError) is dropped and each of its
+jobs goes back to the front of the queue, at most `retries` times per job; after that the job fails with the
+reason. A failed node fails its job once, without retry (it would fail again).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cluster import ClusterError, require_ray
+from engine.cluster.worker import SluiceWorker, WorkerResult
+
+MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has a thread more, for interrupt)
+
+
+@dataclass
+class Job:
+    index: int  # place in the grid (0-based)
+    document: str  # the Sluice document as JSON, overrides applied
+    overrides: dict[str, str] = field(default_factory=dict)  # "NODE_ID.INPUT" -> value text, as swept
+    model_keys: frozenset[str] = frozenset()  # cache signatures of the job's model loaders
+    attempts: int = 0  # times a worker died running it
+
+
+@dataclass
+class Outcome:
+    job: Job
+    status: str  # "finished" | "failed" | "interrupted" | "invalid" | "lost" (workers died `retries` times)
+    images: list[tuple[str, bytes]] = field(default_factory=list)
+    message: str = ""
+    worker: str = ""
+
+
+def model_keys(workflow: Any, lookup: Callable[[str], Any], settings: Any = None) -> frozenset[str]:
+    """The cache signatures of the workflow's model loaders (nodes with a memory module): the same document
+    gives the same keys, so two jobs with equal keys need the same models."""
+    from engine.graph.executor import Executor
+
+    signatures = Executor(lookup, settings=settings).signatures(workflow)
+    return frozenset(f"{node_id}:{signature}" for node_id, signature in signatures.items()
+                     if getattr(lookup(workflow.nodes[node_id].type), "memory_module", None))
+
+
+def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: float = 0.0,
+                  memory_flags: dict[str, Any] | None = None, models_root: str | None = None,
+                  plugins_dir: str | None = None) -> list[Any]:
+    """`count` SluiceWorker actors on the connected Ray cluster, each with `gpus` GPUs (1: a GPU of its own;
+    0.5: two workers share one, each under its own --max-vram) or, with gpus 0, one CPU."""
+    ray = require_ray()
+    if count < 1:
+        raise ClusterError(f"--workers {count}: expected at least 1")
+    if gpus < 0 or (gpus > 1 and gpus != int(gpus)):
+        raise ClusterError(f"{gpus} GPUs per worker: expected 0 (a CPU worker), a fraction of one, or a "
+                           f"whole number")
+    resources = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
+    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 1, **resources)  # + 1: interrupt
+    return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
+
+
+def default_worker_count(ray: Any) -> tuple[int, float]:
+    """(workers, GPUs per worker): one per GPU of the cluster, else one per CPU."""
+    resources = ray.cluster_resources()
+    gpus = int(resources.get("GPU", 0))
+    return (gpus, 1.0) if gpus else (max(1, int(resources.get("CPU", 1))), 0.0)
+
+
+@dataclass
+class _Worker:
+    handle: Any
+    running: dict[Any, Job] = field(default_factory=dict)  # object ref -> job
+    held: frozenset[str] = frozenset()
+    done: int = 0
+
+
+class Scheduler:
+    def __init__(self, workers: list[Any], retries: int = 2, depth: int = 2) -> None:
+        if not workers:
+            raise ClusterError("no workers to schedule on")
+        if retries < 0 or not 1 <= depth <= MAX_DEPTH:
+            raise ClusterError(f"retries {retries}, depth {depth}: expected retries >= 0 and depth "
+                               f"1..{MAX_DEPTH}")
+        self.workers = [_Worker(handle) for handle in workers]
+        self.retries = retries
+        self.depth = depth
+        self.deaths: list[str] = []  # why each dropped worker died
+        self._stopping = False
+
+    def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
+        """Run every job; yields each outcome as it arrives (not in grid order)."""
+        ray = require_ray()
+        pending: deque[Job] = deque(jobs)
+        while pending or any(worker.running for worker in self.workers):
+            if self._stopping:
+                yield from (Outcome(job, "interrupted", message="interrupted before it started")
+                            for job in pending)
+                pending.clear()
+            if not self.workers:
+                reason = "; ".join(self.deaths) or "no workers"
+                yield from (Outcome(job, "lost", message=f"no worker left: {reason}") for job in pending)
+                return
+            self._assign(pending)
+            refs = [ref for worker in self.workers for ref in worker.running]
+            if not refs:
+                continue
+            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)  # a timeout lets Ctrl+C be handled
+            if ready:
+                yield from self._collect(ready[0], pending, ray)
+
+    def interrupt(self) -> None:
+        """Stop: no new job starts, and every worker interrupts its running one."""
+        self._stopping = True
+        for worker in self.workers:
+            worker.handle.interrupt.remote()
+
+    def _assign(self, pending: deque[Job]) -> None:
+        while pending and not self._stopping:
+            job = pending[0]
+            free = [worker for worker in self.workers if len(worker.running) < self.depth]
+            if not free:
+                return
+            worker = min(free, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
+                len(w.running), not (keys and keys <= w.held), w.done))
+            pending.popleft()
+            worker.running[worker.handle.run.remote(job.document)] = job
+            worker.held = job.model_keys
+
+    def _collect(self, ref: Any, pending: deque[Job], ray: Any) -> Iterator[Outcome]:
+        worker = next(worker for worker in self.workers if ref in worker.running)
+        job = worker.running.pop(ref)
+        try:
+            result: WorkerResult = ray.get(ref)
+        except ray.exceptions.RayActorError as error:
+            self.workers.remove(worker)
+            self.deaths.append(_first_line(error))
+            again = []
+            for lost in [job, *worker.running.values()]:  # its waiting jobs die with it
+                lost.attempts += 1
+                if lost.attempts > self.retries:
+                    yield Outcome(lost, "lost", message=f"its worker died {lost.attempts} times; last: "
+                                                        f"{_first_line(error)}")
+                else:
+                    again.append(lost)
+            pending.extendleft(reversed(again))  # back at the front, in their order
+            return
+        except ray.exceptions.RayError as error:  # the job's own failure that the worker could not catch
+            worker.done += 1
+            yield Outcome(job, "failed", message=_first_line(error))
+            return
+        worker.done += 1
+        yield Outcome(job, result.status, result.images, result.message, result.worker)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+

@@ -1,0 +1,134 @@
+"""SluiceWorker: what one Ray actor runs. It owns one Executor and its process's memory runtime, so models
+stay loaded between jobs (the executor's cache keeps the last job's loaders), and its own budget: the memory
+flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
+
+A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
+reads the files back, deletes them and returns their names and bytes, which the driver writes locally.
+The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SAVED_EVENT = "image_saved"  # what SaveImage publishes on the telemetry bus, with path=...
+
+
+@dataclass
+class WorkerResult:
+    status: str  # the executor's: "finished" | "failed" | "interrupted" | "invalid"
+    images: list[tuple[str, bytes]] = field(default_factory=list)  # (name under the output folder, PNG bytes)
+    message: str = ""  # why, when not finished
+    seconds: float = 0.0
+    worker: str = ""  # host:pid of the worker
+
+
+def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> Any:
+    """`sluice run`'s memory settings: the CLI flags (MEMORY_FLAGS names) over the workflow's
+    settings["memory"]; PlacementError names a bad value."""
+    from engine.placement import MemorySettings, settings_from_namespace
+
+    return settings_from_namespace(argparse.Namespace(**flags), MemorySettings.from_dict(workflow_memory))
+
+
+class SluiceWorker:
+    """One worker: `run(document_json)` runs a job; `interrupt()` stops the running one and those waiting
+    (call it from another thread: the actor has more threads than the jobs given to it at once, and a lock
+    keeps runs one at a time)."""
+
+    def __init__(self, registry_factory: Callable[[Any], Any], memory_flags: dict[str, Any] | None = None,
+                 models_root: str | None = None, plugins_dir: str | None = None) -> None:
+        from engine.graph.executor import Executor
+        from engine.memory.runtime import get_runtime
+        from engine.settings import load_settings
+
+        self._folder = Path(tempfile.mkdtemp(prefix="sluice-worker-"))
+        self.settings = load_settings(models_root=models_root, output_dir=self._folder,
+                                      plugins_dir=plugins_dir)
+        registry = registry_factory(self.settings)
+        self.lookup = registry.get
+        self.flags = {name: value for name, value in (memory_flags or {}).items() if value}
+        self.runtime = get_runtime()
+        self.runtime.overrides = self.flags
+        self._memory: dict[str, Any] | None = None  # the workflow memory settings the runtime has now
+        self.executor = Executor(self.lookup, settings=self.settings)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._run_lock = threading.Lock()
+        self._interrupted_at = -1.0  # time.monotonic() of the last interrupt
+
+    def ping(self) -> str:
+        return self.name
+
+    def interrupt(self) -> None:
+        """Stop the running job, and the jobs already given that wait for it."""
+        self._interrupted_at = time.monotonic()
+        self.executor.interrupt()
+
+    def run(self, document: str) -> WorkerResult:
+        from engine import telemetry
+        from engine.graph.document import Workflow
+        from engine.placement import PlacementError
+
+        called = time.monotonic()
+        with self._run_lock:
+            if self._interrupted_at > called:
+                return WorkerResult("interrupted", message="interrupted before it started", worker=self.name)
+            started = time.perf_counter()
+            saved: list[str] = []
+
+            def collect(event: Any) -> None:
+                if event.kind == SAVED_EVENT and event.get("path") is not None:
+                    saved.append(str(event.get("path")))
+
+            unsubscribe = telemetry.bus.subscribe(collect)
+            try:
+                workflow = Workflow.loads(document)
+                memory = dict(workflow.settings.get("memory", {}))
+                if memory != self._memory:
+                    self.runtime.configure(memory_settings(self.flags, memory))
+                    self._memory = memory
+                result = self.executor.run(workflow)
+                self.executor.forget(list(result.outputs))  # a repeated job saves its images again
+            except PlacementError as error:
+                return WorkerResult("invalid", message=f"invalid memory settings: {error}", worker=self.name)
+            except Exception as error:  # an engine bug fails this job, not the worker
+                return WorkerResult("failed", message=f"{type(error).__name__}: {error}\n"
+                                    f"{traceback.format_exc()}", worker=self.name)
+            finally:
+                unsubscribe()
+                images = self._take(saved)
+            return WorkerResult(result.status, images, _reason(result), time.perf_counter() - started,
+                                self.name)
+
+    def close(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _take(self, paths: list[str]) -> list[tuple[str, bytes]]:
+        """The saved files' names (relative to the output folder) and bytes; the files are deleted."""
+        images = []
+        for path in paths:
+            file = Path(path)
+            images.append((file.relative_to(self._folder).as_posix(), file.read_bytes()))
+            file.unlink()
+        return images
+
+
+def _reason(result: Any) -> str:
+    if result.status == "invalid":
+        return "; ".join(str(error) for error in result.errors)
+    if result.failure is not None:
+        failure = result.failure
+        return (f"node {failure.node_id} ({failure.node_type}) failed: {failure.exception_type}: "
+                f"{failure.message}")
+    return "" if result.status == "finished" else f"job {result.status}"
