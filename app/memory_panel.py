@@ -11,6 +11,7 @@ from a bus callback. The panel lives in a floatable dock, so it can go to a seco
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -111,6 +112,15 @@ def plot_scale(budget: int | None, used: list[float], previous: list[list[float]
     return float(max([budget or 0, planned, *used, *(v for run in previous for v in run), 1]))
 
 
+def time_axis_end(seconds: float) -> float:
+    """The right end of a run's time axis: `seconds` rounded up to 1, 1.5, 2, 3, 5 or 7.5 times a power of
+    ten, so that a running job's growing axis is laid out again a few times per decade, not at every frame."""
+    if seconds <= 0:
+        return 1.0
+    decade = 10.0 ** math.floor(math.log10(seconds))
+    return next(m * decade for m in (1, 1.5, 2, 3, 5, 7.5, 10) if m * decade >= seconds * (1 - 1e-9))
+
+
 class DevicePlot(pg.PlotWidget):
     """One device: stacked resident weights per kind of model plus workspace, the used and budget lines, the
     planned resident weights, and the used memory of earlier runs."""
@@ -140,6 +150,15 @@ class DevicePlot(pg.PlotWidget):
         for line in (self.used, self.budget, self.planned):
             line.setZValue(10)
         self.scale_bytes = 1.0  # the top of the y axis (before the legend's headroom)
+        self._shown: dict[str, Any] = {}  # what the title, axis label and ranges show now (see _show)
+
+    def _show(self, what: str, value: Any, apply: Any) -> None:
+        """Call `apply(value)` only when `value` differs from what `what` shows: a new title, axis label or
+        range lays out and redraws the plot's text and ticks (about 8 ms each on a 2-core machine, most of
+        what a GUI run cost beyond a headless one)."""
+        if self._shown.get(what) != value:
+            self._shown[what] = value
+            apply(value)
 
     def _area(self, name: str, color: str) -> pg.PlotDataItem:
         if name not in self.areas:
@@ -184,13 +203,13 @@ class DevicePlot(pg.PlotWidget):
         scale = plot_scale(budget, series["used"], [p["used"] for p in previous], planned)
         self.scale_bytes = scale
         unit, size = byte_unit(scale)
-        self.setLabel("left", unit, color=AXIS)
+        self._show("unit", unit, lambda text: self.setLabel("left", text, color=AXIS))
         facts = [f"{BUDGET} {format_size(budget)}" if budget else "no VRAM budget"]
         if device is not None:
             facts.append(f"used {format_size(device['tracked'])}")
         head = f"<b>{self.device}</b>{' · ' + run if run else ''} · {' · '.join(facts)}"
         legend = self._legend(series["weights"], any(series["workspace"]), planned, previous)
-        self.setTitle(f"{head}<br>{legend}", color=TEXT, size="9pt")
+        self._show("title", f"{head}<br>{legend}", lambda text: self.setTitle(text, color=TEXT, size="9pt"))
         layers = [(m, MODULE_COLORS.get(module_kind(m), OTHER_MODULE_COLOR), v)
                   for m, v in series["weights"].items()]
         layers.append(("workspace", WORKSPACE_COLOR, series["workspace"]))
@@ -226,8 +245,8 @@ class DevicePlot(pg.PlotWidget):
                                 run_data["duration"]))
         for line in self.previous[len(previous):]:
             line.setData([], [])
-        self.setYRange(0, scale / size * HEADROOM, padding=0)
-        self.setXRange(0, longest, padding=0.02)
+        self._show("y", scale / size * HEADROOM, lambda top: self.setYRange(0, top, padding=0))
+        self._show("x", time_axis_end(longest), lambda right: self.setXRange(0, right, padding=0.02))
 
 
 class SegmentBar(QWidget):
@@ -326,10 +345,14 @@ class ThroughputPlot(pg.PlotWidget):
         self.setMouseEnabled(x=False, y=False)
         self.curve = self.plot(pen=pg.mkPen(FREE_COLOR, width=1.5), brush=pg.mkBrush(38, 198, 218, 60),
                                fillLevel=0)
+        self._right: float | None = None
 
     def show_series(self, series: dict[str, list[float]], end: float) -> None:
         self.curve.setData(*_step(series["time"], series["rate"], end))
-        self.setXRange(0, max(end, 1e-3), padding=0.02)
+        right = time_axis_end(end)
+        if right != self._right:  # see DevicePlot._show
+            self._right = right
+            self.setXRange(0, right, padding=0.02)
 
 
 def plan_html(placement: WorkflowPlacement | None) -> str:
