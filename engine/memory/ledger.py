@@ -12,6 +12,7 @@ and no larger size costs nothing, and idle workspaces are the first thing the we
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -53,12 +54,14 @@ def resolve_budget(
     return max(0, free - int(-spec_value * GIB))
 
 
+@functools.cache
 def use_expandable_segments() -> bool:
     """Let torch's CUDA caching allocator grow and shrink one mapped range per pool (expandable segments)
     unless the user set PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF. With fixed segments, blocks of one
     size cannot serve another, and the reserved memory nvidia-smi shows ran 14-60% over `--max-vram` while
     the allocated peak kept it (bench/e2e.py on the H200, session 17: SD1.5 1.32 GiB reserved at 1 GiB,
-    SDXL 1.64 at 1 GiB); with them it stayed within 10%. Returns whether the setting is now on."""
+    SDXL 1.64 at 1 GiB); with them it stayed within 10%. Returns whether the setting is on; decided once
+    per process."""
     import os
 
     import torch

@@ -39,8 +39,8 @@ from engine.models.loader import (
     default_dtype,
     module_memory,
     parse_dtype,
+    place_network,
 )
-from engine.models.weights import bind_weights
 
 
 def has_clip_vision(reader: CheckpointReader) -> bool:
@@ -97,19 +97,8 @@ def _build(path: Path, dtype: torch.dtype | None, target: _Target) -> CLIPVision
         stored = next((reader.dtype(w.key) for w in names.values() if w.key.endswith(".weight")), None)
         dtype = dtype or default_dtype("te", target.device.torch_device, stored)
         model, names = network_for(reader, dtype)
-        if target.runtime is None:
-            get = _getter(reader, names)
-            device = target.device.torch_device
-            try:
-                bind_weights(model, {name: get(name).to(device, parameter.dtype)
-                                     for name, parameter in model.named_parameters()})
-            except KeyError as error:
-                raise ValueError(f"{path}: the CLIP vision tower lacks tensor {error}; the file is "
-                                 f"incomplete") from None
-            name = None
-        else:
-            get = _getter(open_checkpoint(path) if target.home == "disk" else reader, names)
-            name = target.runtime.register(MEMORY_MODULE, model, target.home, target.device.name, get)
+        name = place_network(model, target, MEMORY_MODULE, _getter(reader, names),
+                             lambda: _getter(open_checkpoint(path), names), path, "CLIP vision tower")
     memory = module_memory(target, MEMORY_MODULE, [name], [model])
     return adopt_lifetime(CLIPVision(model, target.device.name, target.home, path, memory), memory)
 

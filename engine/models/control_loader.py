@@ -41,9 +41,9 @@ from engine.models.loader import (
     default_dtype,
     module_memory,
     parse_dtype,
+    place_network,
 )
 from engine.models.t2i_adapter import T2IAdapterModel, is_t2i_adapter, t2i_adapter_config
-from engine.models.weights import bind_weights
 
 DIFFERENCE_KEY = "difference"
 SHUFFLE_SUFFIXES = ("_shuffle", "_shuffle_fp16")
@@ -119,21 +119,12 @@ def _build(path: Path, dtype: torch.dtype | None, target: _Target, base: Diffusi
             raise ValueError(f"{path} is a difference ControlNet: load it with DiffControlNetLoader and the "
                              f"model it was made against")
         base_get = _base_unet(base) if difference else None
-        if target.runtime is None:
-            get = _getter(reader, names, base_get)
-            device = target.device.torch_device
-            try:
-                bind_weights(network, {name: get(name).to(device, parameter.dtype)
-                                       for name, parameter in network.named_parameters()})
-            except KeyError as error:
-                raise ValueError(f"{path}: the control model lacks tensor {error}; the file is "
-                                 f"incomplete") from None
-            name = None
-        else:
-            get = _getter(reader, names, base_get)
-            if target.home == "disk":
-                get = _getter(open_checkpoint(path), names, _base_unet(base) if difference else None)
-            name = target.runtime.register(MEMORY_MODULE, network, target.home, target.device.name, get)
+
+        def from_disk() -> Callable[[str], torch.Tensor]:  # its own readers, the file's and the base UNet's
+            return _getter(open_checkpoint(path), names, _base_unet(base) if difference else None)
+
+        get = _getter(reader, names, base_get)
+        name = place_network(network, target, MEMORY_MODULE, get, from_disk, path, "control model")
     memory = module_memory(target, MEMORY_MODULE, [name], [network])
     shuffle = path.stem.endswith(SHUFFLE_SUFFIXES) and isinstance(network, ControlNetModel)
     bundle = ControlModel(network, target.device.name, target.home, path, shuffle, memory)

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,23 @@ def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots:
 
     return target.runtime.register(kind, model, target.home, target.device.name, source,
                                    target.devices or None, target.split_mode)
+
+
+def place_network(model: torch.nn.Module, target: _Target, kind: str, get: Callable[[str], torch.Tensor],
+                  disk_get: Callable[[], Callable[[str], torch.Tensor]], path: Path, what: str) -> str | None:
+    """A network whose parameters `get(name)` reads (raising KeyError for a missing one): read and bound now
+    (plain), or registered in the runtime under its home, re-reading through `disk_get()` when that home is
+    disk. Returns the runtime's name (None when plain)."""
+    if target.runtime is None:
+        device = target.device.torch_device
+        try:
+            bind_weights(model, {name: get(name).to(device, parameter.dtype)
+                                 for name, parameter in model.named_parameters()})
+        except KeyError as error:
+            raise ValueError(f"{path}: the {what} lacks tensor {error}; the file is incomplete") from None
+        return None
+    source = disk_get() if target.home == "disk" else get
+    return target.runtime.register(kind, model, target.home, target.device.name, source)
 
 
 def module_memory(target: _Target, kind: str, names: Sequence[str | None], models: Sequence[torch.nn.Module],
