@@ -44,6 +44,7 @@ from torch import nn
 
 from engine import telemetry
 from engine.devices import device_name
+from engine.memory.file_reads import FileSpan, read_spans
 from engine.memory.ledger import DeviceLedger
 from engine.models.staged import Stage, StagedModel
 
@@ -188,6 +189,7 @@ class WeightStore:
         originals: list[tuple[nn.Module, str, nn.Parameter]] = []
         arena = self._new_arena(model, device, home) if home in ("cpu", "device") else None
         offsets = _arena_offsets(model)
+        spans: list[tuple[torch.Tensor, FileSpan]] = []  # homes whose bytes are read from the file at the end
         try:
             for owner_name, owner in model.named_modules():
                 for attribute, parameter in list(owner._parameters.items()):
@@ -198,13 +200,15 @@ class WeightStore:
                     if key is None:
                         name = f"{owner_name}.{attribute}" if owner_name else attribute
                         slot = None if arena is None else (arena, offsets[id(parameter)])
-                        key = self._add(module, name, owner, attribute, parameter, home, device, source, slot)
+                        key = self._add(module, name, owner, attribute, parameter, home, device, source, slot,
+                                        spans)
                         key_of_parameter[id(parameter)] = key
                         keys.append(key)
                     else:
                         self._weights[key].places.append((owner, attribute))
                     self._key_of[(id(owner), attribute)] = key
                     owner._parameters[attribute] = self._resting_parameter(self._weights[key])
+            read_spans(spans)
         except BaseException:
             for owner, attribute, parameter in originals:
                 owner._parameters[attribute] = parameter
@@ -270,7 +274,11 @@ class WeightStore:
         device: torch.device,
         source: Source,
         slot: tuple[torch.Tensor, int] | None = None,
+        spans: list[tuple[torch.Tensor, FileSpan]] | None = None,
     ) -> str:
+        """Register one weight; a device or cpu home is filled now from `source`, or, when the source tells
+        where the tensor lies in its file and `spans` is given, appended to `spans` to be read with the
+        others (file_reads.read_spans)."""
         key = f"{module}/{name}"
         if key in self._weights:
             raise WeightStoreError(f"weight {key!r} is already registered")
@@ -292,14 +300,14 @@ class WeightStore:
             try:
                 arena, offset = slot
                 weight.home_tensor = _typed_view(arena, offset, weight.dtype, weight.shape)
-                weight.home_tensor.copy_(self._read(weight, source))
+                self._fill(weight, source, spans)
             except BaseException:
                 self.ledger(device).release(module, "weights", key)
                 raise
         elif home == "cpu":
             arena, offset = slot
             weight.home_tensor = _typed_view(arena, offset, weight.dtype, weight.shape)
-            weight.home_tensor.copy_(self._read(weight, source))
+            self._fill(weight, source, spans)
             weight.host_offset = offset
         else:
             weight.source = source
@@ -656,6 +664,20 @@ class WeightStore:
                 segment=member.segment,
             )
         return freed
+
+    def _fill(self, weight: _Weight, source: Source,
+              spans: list[tuple[torch.Tensor, FileSpan]] | None) -> None:
+        """Fill the home tensor of `weight` now, or leave it to the bulk read of `spans` when its source
+        knows where its bytes are (a `file_span(name)` method, see formats.CheckpointReader.file_span)."""
+        locate = getattr(source, "file_span", None)
+        span = locate(weight.name) if spans is not None and locate is not None else None
+        if span is None:
+            weight.home_tensor.copy_(self._read(weight, source))
+            return
+        if tuple(span.shape) != tuple(weight.shape):
+            raise WeightStoreError(f"tensor {weight.name!r} has shape {tuple(span.shape)}, the model expects "
+                                   f"{tuple(weight.shape)}")
+        spans.append((weight.home_tensor, span))
 
     def _read(self, weight: _Weight, source: Source) -> torch.Tensor:
         """The tensor of `weight` from its source, checked against the parameter and cast to its dtype."""

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from engine.jsonfile import JsonInputError, load_json
+from engine.memory.file_reads import FileSpan
 from engine.quant.dequant import dequantize
 from engine.quant.gguf_file import GGUFFormatError, read_gguf_header
 from engine.quant.types import DEQUANTIZABLE
@@ -129,6 +130,12 @@ class CheckpointReader(ABC):
             raise UnsupportedTensorTypeError(self._unsupported_type_message(key, info.type_name))
         return self._load(key, info).to(device)
 
+    def file_span(self, key: str) -> FileSpan | None:
+        """Where the tensor's bytes lie in the file, for readers that store tensors as plain bytes (None
+        otherwise, and for a name the file lacks): the weight store then reads many straight into their
+        homes (engine/memory/file_reads.py)."""
+        return None
+
     def __contains__(self, key: object) -> bool:
         return key in self._tensors
 
@@ -182,9 +189,15 @@ class SafetensorsReader(CheckpointReader):
     format = "safetensors"
 
     def __init__(self, path: Path):
-        tensors, metadata = _read_safetensors_header(path)
+        tensors, metadata, self._offsets = _read_safetensors_header(path)
         super().__init__(path, tensors, metadata)
         self._handle: Any = None
+
+    def file_span(self, key: str) -> FileSpan | None:
+        info = self._tensors.get(key)
+        if info is None or info.dtype is None:
+            return None
+        return FileSpan(self.path, self._offsets[key], info.nbytes, info.dtype, info.shape)
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
         from safetensors import SafetensorError, safe_open
@@ -201,7 +214,8 @@ class SafetensorsReader(CheckpointReader):
         self._handle = None
 
 
-def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int]]:
+    """The tensors' infos, the metadata, and each tensor's offset from the start of the file."""
     file_size = path.stat().st_size
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -232,7 +246,8 @@ def _read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[st
         tensors[key], begin, end = _checked_safetensors_entry(path, key, entry, data_size)
         spans.append((begin, end, key))
     _check_safetensors_tiling(path, sorted(spans), data_size)
-    return tensors, metadata
+    offsets = {key: 8 + header_len + begin for begin, _, key in spans}
+    return tensors, metadata, offsets
 
 
 def _check_safetensors_tiling(path: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from engine.devices import ComputeDevice, resolve_device
+from engine.memory.file_reads import FileSpan
 from engine.memory.runtime import MemoryRuntime, ModuleMemory
 from engine.memory.weight_store import HOMES
 from engine.models.bundles import (
@@ -42,6 +43,7 @@ from engine.models.detect import (
     detect,
 )
 from engine.models.formats import CheckpointError, CheckpointReader, open_checkpoint
+from engine.models.meta_init import skipping_meta_init
 from engine.models.unet import UNetModel
 from engine.models.vae import AutoencoderKL
 from engine.models.weights import bind_weights
@@ -168,12 +170,24 @@ def _place(model: torch.nn.Module, reader: CheckpointReader, prefix: str, roots:
         _bind(model, tensors, what, reader.path)
         return None
     source_reader = reopen(reader) if target.home == "disk" else reader
-
-    def source(name: str) -> torch.Tensor:
-        return source_reader.get(prefix + name.removeprefix(segment))
-
+    source = _ReaderSource(source_reader, prefix, segment)
     return target.runtime.register(kind, model, target.home, target.device.name, source,
                                    target.devices or None, target.split_mode)
+
+
+class _ReaderSource:
+    """A weight store's source for one component: parameter `segment + name` is the file's key
+    `prefix + name`; it also tells where a tensor's bytes lie in the file, so that the store reads them
+    straight into their homes."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str, segment: str) -> None:
+        self.reader, self.prefix, self.segment = reader, prefix, segment
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.reader.get(self.prefix + name.removeprefix(self.segment))
+
+    def file_span(self, name: str) -> FileSpan | None:
+        return self.reader.file_span(self.prefix + name.removeprefix(self.segment))
 
 
 def place_network(model: torch.nn.Module, target: _Target, kind: str, get: Callable[[str], torch.Tensor],
@@ -338,7 +352,7 @@ def load_checkpoint(path: str | os.PathLike[str], dtype: torch.dtype | str | Non
         found = {c: _cache.get(key) for c, key in keys.items()}
     missing = [c for c in components if found[c] is None]
     if missing:
-        with open_checkpoint(path) as reader:
+        with open_checkpoint(path) as reader, skipping_meta_init():
             info = _detect(reader)
             for component in missing:
                 if component not in info.components:
@@ -466,22 +480,23 @@ def load_text_encoders(paths: Sequence[str | os.PathLike[str]], family: str | No
     def build() -> TextEncoder:
         readers = [open_checkpoint(p) for p in file_paths]
         try:
-            sources, t5_sources = [], []
-            for reader in readers:
-                info = _detect(reader)
-                if info.t5 is not None:
-                    t5_sources.append((reader, info.t5, info.t5_prefix))
-                elif not info.text_encoders:
-                    _require(None, "te", reader.path)
-                sources += [(reader, config) for config in info.text_encoders]
-            if t5_sources and family not in (None, "flux"):
-                raise ValueError(f"a {family} text encoder takes no T5-XXL "
-                                 f"({', '.join(str(reader.path) for reader, *_ in t5_sources)}); "
-                                 f"T5-XXL is FLUX's: use type flux")
-            if family == "flux" or t5_sources:
-                return _flux_text_encoder(sources, t5_sources, dtype, target, types)
-            chosen = family or _family_of([config for _, config in sources])
-            return _text_encoder(chosen, sources, dtype, target, types)
+            with skipping_meta_init():
+                sources, t5_sources = [], []
+                for reader in readers:
+                    info = _detect(reader)
+                    if info.t5 is not None:
+                        t5_sources.append((reader, info.t5, info.t5_prefix))
+                    elif not info.text_encoders:
+                        _require(None, "te", reader.path)
+                    sources += [(reader, config) for config in info.text_encoders]
+                if t5_sources and family not in (None, "flux"):
+                    raise ValueError(f"a {family} text encoder takes no T5-XXL "
+                                     f"({', '.join(str(reader.path) for reader, *_ in t5_sources)}); "
+                                     f"T5-XXL is FLUX's: use type flux")
+                if family == "flux" or t5_sources:
+                    return _flux_text_encoder(sources, t5_sources, dtype, target, types)
+                chosen = family or _family_of([config for _, config in sources])
+                return _text_encoder(chosen, sources, dtype, target, types)
         finally:
             for reader in readers:
                 reader.close()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.memory.file_reads import FileSpan
 from engine.models.formats import CheckpointReader, TensorInfo, open_checkpoint
 from engine.quant.modules import QuantSpec, quantisable_weights, quantise_modules, weight_shape
 from engine.quant.quantize import quantize, tensor_type_rules
@@ -72,6 +73,10 @@ class QuantisedReader(CheckpointReader):
         else:
             tensor = quantize(self.inner.get(key).to(self.device), spec.qtype).reshape(spec.raw_shape)
         return tensor if device is None else tensor.to(device)
+
+    def file_span(self, key: str) -> FileSpan | None:
+        """Where a tensor kept as the file has it lies in the file (None for one that rests quantised)."""
+        return None if key in self.specs else self.inner.file_span(key)
 
     def _load(self, key: str, info: TensorInfo) -> torch.Tensor:
         return self.get(key)
