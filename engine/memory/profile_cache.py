@@ -249,6 +249,7 @@ class CachedProfile:
     workspace: int  # bytes the plan reserves for the call's workspace
     seconds: list[float]  # per stage
     peaks: list[int]  # per stage: workspace bytes at its peak
+    pool_excess: int = 0  # bytes its CUDA graph's pool reserved beyond the plan's workspace (segments.py)
 
 
 def stage_profile_key(device: torch.device, stages: Sequence[Stage], signature: tuple, timed_calls: int
@@ -266,8 +267,9 @@ def read_stage_profile(cache: ProfileCache, key: Mapping[str, Any]) -> CachedPro
     count = key["stages"]
     try:
         profile = CachedProfile(int(value["workspace"]), [float(s) for s in value["seconds"]],
-                                [int(p) for p in value["peaks"]])
-        if len(profile.seconds) != count or len(profile.peaks) != count or profile.workspace < 0:
+                                [int(p) for p in value["peaks"]], int(value.get("pool_excess", 0)))
+        if (len(profile.seconds) != count or len(profile.peaks) != count or profile.workspace < 0
+                or profile.pool_excess < 0):
             raise ValueError(f"{len(profile.seconds)} times, {len(profile.peaks)} peaks, workspace "
                              f"{profile.workspace} for {count} stages")
     except (KeyError, TypeError, ValueError) as error:
@@ -279,7 +281,7 @@ def read_stage_profile(cache: ProfileCache, key: Mapping[str, Any]) -> CachedPro
 
 def write_stage_profile(cache: ProfileCache, key: Mapping[str, Any], profile: CachedProfile) -> None:
     cache.put(STAGE_PROFILE, key, {"workspace": profile.workspace, "seconds": profile.seconds,
-                                   "peaks": profile.peaks})
+                                   "peaks": profile.peaks, "pool_excess": profile.pool_excess})
 
 
 # ------------------------------------------------------------------------------------------ probes

@@ -69,6 +69,8 @@ WORKSPACE_KEY = "segments"  # the one reusable workspace a runner tracks per mod
 RING_KEY = "stream_ring"  # the stream ring, tracked as a workspace while it exists
 GRAPH_KEY = "cuda_graph"  # the memory pool of a captured call, tracked as a workspace while it exists
 RUNNER_KEYS = (WORKSPACE_KEY, RING_KEY, GRAPH_KEY)  # the workspaces a runner owns (a new plan replaces them)
+POOL_REPLANS = 2  # plans remade per input shape to leave room for what its graph's pool reserved
+POOL_GRAIN = 2 * 2**20  # the allocator reserves in 2 MiB pages
 log = logging.getLogger("sluice.memory")
 
 
@@ -98,6 +100,7 @@ class _Graph:
     key: tuple
     copies: list[tuple[int, int]]  # (streamed segment index, bytes) the graph copies on each replay
     flags: CopyFlags | None  # the flags its compute polls for copies (None: it waits for events)
+    tracked: int  # the workspace the ledger tracks for it: its plan's, or its pool's measured size if larger
 
 
 def _shape_signature(state: State) -> tuple:
@@ -162,9 +165,12 @@ class SegmentRunner:
         self._pinned: list[str] = []  # keys pinned while a resident segment computes
         self.profile: StageProfile | None = None  # the last measured shape's per-stage times and peaks
         self._cache = profile_cache.default_cache() if cache is None else cache
-        self._profile_keys: dict[tuple, dict] = {}  # shape signature -> its cache key, while being timed
-        if segmented and prefetch and graphs:
-            CopyFlags.warm_up(self.device)  # compiles the poll kernel while the loader and encoders work
+        self._profile_keys: dict[tuple, dict] = {}  # shape signature -> its cache key
+        self._peaks: dict[tuple, list[int]] = {}  # shape signature -> measured workspace peak per stage
+        # shape signature -> bytes a captured graph's private pool reserved beyond what its plan left room
+        # for (the allocator's rounding and fragmentation, which eager calls do not show), and how often
+        self._pool_excess: dict[tuple, int] = {}
+        self._pool_replans: dict[tuple, int] = {}
 
     def _stage_keys(self, stages: Sequence[Stage]) -> list[list[str]]:
         """The keys each stage reads: the last call's when the stages are the same objects (a model that
@@ -214,7 +220,7 @@ class SegmentRunner:
             workspace = max(workspace, min(capacity // 2, capacity - largest))
         if self.graphs and self.device.type == "cuda":
             workspace += graph_io_bytes(state)
-        plan = self._plan_for(stages, stage_keys, workspace, signature)
+        plan = self._plan_with_pool_room(stages, stage_keys, workspace, signature)
         if measuring or not self.graphs or self.device.type != "cuda" or self._rereads(plan):
             log.debug("%s: eager call (measuring %s, graphs %s, or it re-reads disk)", self.module, measuring,
                       self.graphs)
@@ -258,9 +264,9 @@ class SegmentRunner:
             self._workspace[signature], self._seconds[signature] = workspace, seconds
             self._timed[signature] = self._timed.get(signature, 0) + 1
             self.profile = StageProfile(list(seconds), list(measurement.peaks))
-            if self._timed[signature] >= self._timed_calls() and signature in self._profile_keys:
-                measured = CachedProfile(workspace, list(seconds), list(measurement.peaks))
-                profile_cache.write_stage_profile(self._cache, self._profile_keys.pop(signature), measured)
+            self._peaks[signature] = list(measurement.peaks)
+            if self._timed[signature] >= self._timed_calls():
+                self._write_profile(signature)
         return state
 
     def _timed_calls(self) -> int:
@@ -274,13 +280,25 @@ class SegmentRunner:
             return
         key = profile_cache.stage_profile_key(self.device, stages, signature, self._timed_calls())
         cached = profile_cache.read_stage_profile(self._cache, key)
+        self._profile_keys[signature] = key
         if cached is None:
-            self._profile_keys[signature] = key
             return
         self._workspace[signature], self._seconds[signature] = cached.workspace, list(cached.seconds)
+        self._peaks[signature], self._pool_excess[signature] = list(cached.peaks), cached.pool_excess
         self._timed[signature] = self._timed_calls()
         self.profile = StageProfile(list(cached.seconds), list(cached.peaks))
         log.debug("%s: stage profile of %s read from the profile cache", self.module, signature)
+
+    def _write_profile(self, signature: tuple, pool_excess: int | None = None) -> None:
+        """Keep what this process measured of the shape in the profile cache, for later processes (with
+        `pool_excess` as the room its graph pool needs, default what this process plans with)."""
+        key = self._profile_keys.get(signature)
+        timed = self._timed.get(signature, 0) >= self._timed_calls()
+        if key is not None and timed and signature in self._peaks:
+            excess = self._pool_excess.get(signature, 0) if pool_excess is None else pool_excess
+            measured = CachedProfile(self._workspace[signature], list(self._seconds[signature]),
+                                     list(self._peaks[signature]), excess)
+            profile_cache.write_stage_profile(self._cache, key, measured)
 
     # ------------------------------------------------------------------------------------------ graphs
 
@@ -302,6 +320,7 @@ class SegmentRunner:
         # the eager calls before left freed blocks in the caching allocator; the graph's pool is new memory,
         # so hand those back first: what nvidia-smi shows (reserved) then stays near the budget
         torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved(self.device)
         graph = torch.cuda.CUDAGraph()
         unsubscribe = self.bus.subscribe(record)
         copies_before = self.store.copies
@@ -320,15 +339,43 @@ class SegmentRunner:
             # recorded, never run, so nothing it touched may be trusted
             self._forget_captured_copies()
             raise RuntimeError("weights moved while the call was captured")
-        self._graph = _Graph(graph, static, output, key, copies, flags)
-        self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)
+        tracked = self._measure_pool(key[0], plan, torch.cuda.memory_reserved(self.device) - reserved_before)
+        self._graph = _Graph(graph, static, output, key, copies, flags, tracked)
+        self._allocate(self.module, GRAPH_KEY, tracked)
         self.ledger.mark_pooled(self.module, "workspace", GRAPH_KEY)
         self.ledger.on_release(self.module, "workspace", GRAPH_KEY, self._forget_graph)
         self.ledger.set_idle(self.module, GRAPH_KEY)
         return self._replay(self._graph, plan, state)
 
+    def _measure_pool(self, signature: tuple, plan: SegmentPlan, pool: int) -> int:
+        """The workspace to track for a graph whose private pool reserved `pool` bytes (what nvidia-smi shows
+        of it, more than the live tensors of the eager calls by the allocator's rounding): the pool, when
+        the budget has room for it. Else the plan's workspace for now, and the excess is remembered for the
+        shape, so that the next plan leaves room for it (one more capture, after which reserved memory stays
+        within the budget). Replanning stops after POOL_REPLANS tries, so a pool that keeps growing cannot
+        make the calls evict and recapture for ever."""
+        if pool <= plan.workspace_bytes:
+            return plan.workspace_bytes
+        excess = -(-(pool - plan.workspace_bytes) // POOL_GRAIN) * POOL_GRAIN
+        with_room = self._pool_excess.get(signature, 0) + excess
+        try:
+            self.ledger.allocate(self.module, "workspace", GRAPH_KEY, pool)
+        except BudgetExceeded:
+            replans = self._pool_replans.get(signature, 0)
+            if replans < POOL_REPLANS:
+                self._pool_replans[signature] = replans + 1
+                self._pool_excess[signature] = with_room
+                log.debug("%s: graph pool reserved %.1f MiB, %.1f MiB over its plan's workspace and over the "
+                          "budget; the next plan leaves room for it", self.module, pool / 2**20,
+                          excess / 2**20)
+                self._write_profile(signature, with_room)
+            return plan.workspace_bytes
+        # it fits this budget; a later process (at a tighter budget) plans with room for it from the start
+        self._write_profile(signature, with_room)
+        return pool
+
     def _replay(self, graph: _Graph, plan: SegmentPlan, state: State) -> State:
-        self._allocate(self.module, GRAPH_KEY, plan.workspace_bytes)  # active again while it runs
+        self._allocate(self.module, GRAPH_KEY, graph.tracked)  # active again while it runs
         try:
             for target, value in zip(graph.inputs, tensors_of(state), strict=True):
                 target.copy_(value)
@@ -603,6 +650,23 @@ class SegmentRunner:
         return sum(n for m, key, n in self.ledger.idle_workspaces()
                    if m == self.module and key in RUNNER_KEYS)
 
+    def _plan_with_pool_room(
+        self, stages: Sequence[Stage], stage_keys: list[list[str]], workspace: int, signature: tuple
+    ) -> SegmentPlan:
+        """The plan for `workspace`, with room for what the shape's graph pool reserved beyond it where a plan
+        still fits then (below one allocator page of budget for the workspace none does: that room is
+        given up for the shape, and its pool stays over the budget by less than a page)."""
+        excess = self._pool_excess.get(signature, 0)
+        if excess:
+            try:
+                return self._plan_for(stages, stage_keys, workspace + excess, signature)
+            except BudgetExceeded:
+                log.debug("%s: no plan leaves room for the %.1f MiB its graph pool reserved beyond the "
+                          "workspace; planning without it", self.module, excess / 2**20)
+                self._pool_excess[signature] = 0
+                self._pool_replans[signature] = POOL_REPLANS
+        return self._plan_for(stages, stage_keys, workspace, signature)
+
     def _plan_for(
         self, stages: Sequence[Stage], stage_keys: list[list[str]], workspace: int, signature: tuple
     ) -> SegmentPlan:
@@ -610,7 +674,7 @@ class SegmentRunner:
         seconds = self._seconds.get(signature)
         budget = self.ledger.budget_bytes
         # the copy flags' readiness changes the modelled rates: the plan is made again once they are ready
-        polled = CopyFlags.available(self.device) if self.segmented and self.prefetch else False
+        polled = CopyFlags.ready(self.device) if self.segmented and self.prefetch else False
         timed = self._timed.get(signature, 0)
         cache_key = (self.module, len(stages), signature, budget, workspace, polled, timed)
         cached = self._plans.get(cache_key)
@@ -636,6 +700,10 @@ class SegmentRunner:
     def _use(self, plan: SegmentPlan, cached: bool) -> None:
         """Adopt `plan`: replicas of weights it streams are dropped (they are outside its budget)."""
         self.plan = plan
+        if self.prefetch and self.graphs and any(s.streamed for s in plan.segments):
+            # compiles the poll kernel in the background (Triton's import alone took 0.5 s on the H200's host,
+            # which a module that stays resident never needs); captures wait with events until it is ready
+            CopyFlags.warm_up(self.device)
         resident = {k for segment in plan.segments if not segment.streamed for k in segment.keys}
         self.store.release_keys(k for segment in plan.segments for k in segment.keys if k not in resident)
         self.store.set_segments(

@@ -44,7 +44,8 @@ def generation(checkpoint: str, budget_gib: float) -> Workflow:
             (sampler, 0, decode, "samples", "LATENT"), (loader, 2, decode, "vae", "VAE"),
             (decode, 0, save, "images", "IMAGE")):
         workflow.connect(source, output, target, name, kind)
-    workflow.settings["memory"] = {"max_vram": f"cpu={budget_gib!r}"}
+    # every module on the CPU, also on a machine with a GPU: the budget checked is the CPU's
+    workflow.settings["memory"] = {"max_vram": f"cpu={budget_gib!r}", "backend": "cpu"}
     return workflow
 
 
