@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-import networkx as nx
-
 from app.server.files import PathRefused, split_annotation, view_path
 from app.server.schema import LARGE_CHOICE_LIST, UPLOAD_INPUTS, input_config
 from engine.graph.comfy import Lookup, from_comfy_api
@@ -81,7 +79,7 @@ def check_prompt(prompt: Any, lookup: Lookup, settings: Settings, preview_method
         if entry is not None:
             errors.setdefault(node_id, []).append(entry)
     graph = build_graph(workflow)
-    needs = {output: nx.ancestors(graph, output) | {output} for output in outputs}
+    needs = {output: graph.ancestors(output) | {output} for output in outputs}
     node_errors: dict[str, Any] = {}
     for output, needed in needs.items():
         for node_id in sorted(needed & set(errors), key=id_sort_key):

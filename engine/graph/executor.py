@@ -158,13 +158,11 @@ class Executor:
         return result
 
     def _plan(self, workflow: Workflow) -> _Plan:
-        import networkx as nx  # here, not at import: the desktop app starts without it
-
         graph = build_graph(workflow)
         classes = {node_id: self.lookup(workflow.nodes[node_id].type) for node_id in graph}
         output_nodes = [n for n in graph if classes[n].output_node and workflow.nodes[n].mode == "normal"]
-        needed = set(output_nodes).union(*(nx.ancestors(graph, n) for n in output_nodes))
-        order = list(nx.lexicographical_topological_sort(graph.subgraph(needed), key=id_sort_key))
+        needed = set(output_nodes).union(*(graph.ancestors(n) for n in output_nodes))
+        order = graph.topological_order(needed, key=id_sort_key)
         inputs: dict[str, dict[str, Link]] = {n: {} for n in order}
         for link in workflow.links:
             if link.target in inputs and link.source in graph:

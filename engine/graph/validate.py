@@ -9,35 +9,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from engine.graph.dag import WorkflowGraph
 from engine.graph.document import Link, Workflow, id_sort_key
 from engine.graph.errors import ValidationError
 from engine.graph.job_guard import check_job_memory
 from engine.graph.run_checks import check_memory_devices, check_non_finite, check_output_folder
 from engine.graph.spec import ANY, SEED, SEED_CONTROLS, NodeType
 
-if TYPE_CHECKING:
-    import networkx as nx
-
 Lookup = Callable[[str], type[NodeType] | None]
 
 
-def build_graph(workflow: Workflow) -> nx.DiGraph:
-    """A DiGraph over the non-muted nodes (attribute "doc"), one edge per linked pair (attribute "links")."""
-    import networkx as nx  # here, not at import: the desktop app starts without it
-
-    graph = nx.DiGraph()
+def build_graph(workflow: Workflow) -> WorkflowGraph:
+    """The graph of the non-muted nodes in id order, with an edge per linked pair."""
+    graph = WorkflowGraph()
     for node_id in sorted(workflow.nodes, key=id_sort_key):
         node = workflow.nodes[node_id]
         if node.mode != "muted":
-            graph.add_node(node_id, doc=node)
+            graph.add_node(node_id, node)
     for link in workflow.links:
         if link.source in graph and link.target in graph:
-            if graph.has_edge(link.source, link.target):
-                graph.edges[link.source, link.target]["links"].append(link)
-            else:
-                graph.add_edge(link.source, link.target, links=[link])
+            graph.add_edge(link.source, link.target)
     return graph
 
 
@@ -160,16 +152,10 @@ def _check_inputs(workflow: Workflow, node_id: str, cls: type[NodeType],
     return errors
 
 
-def _check_cycles(graph: nx.DiGraph) -> list[ValidationError]:
-    import networkx as nx
-
+def _check_cycles(graph: WorkflowGraph) -> list[ValidationError]:
     errors: list[ValidationError] = []
-    for component in nx.strongly_connected_components(graph):
-        first = min(component, key=id_sort_key)
-        if len(component) == 1 and not graph.has_edge(first, first):
-            continue
-        cycle = [edge[0] for edge in nx.find_cycle(graph.subgraph(component), source=first)]
+    for cycle in graph.cycles(key=id_sort_key):
         path = " -> ".join([*cycle, cycle[0]])
-        errors.append(ValidationError("cycle", f"the graph has a cycle through nodes {path}", first))
+        errors.append(ValidationError("cycle", f"the graph has a cycle through nodes {path}", cycle[0]))
     errors.sort(key=lambda error: id_sort_key(error.node_id or ""))
     return errors

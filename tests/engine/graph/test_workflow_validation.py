@@ -121,7 +121,7 @@ def test_required_input_fed_only_by_a_muted_node_is_missing_and_muted_nodes_are_
     assert (error.kind, error.node_id, error.input_name) == ("missing_input", "2", "model")
     assert "fed only by muted node 1" in error.message
     graph = build_graph(wf)
-    assert sorted(graph.nodes) == ["2", "3"] and list(graph.edges) == [("2", "3")]
+    assert sorted(graph) == ["2", "3"] and graph.has_edge("2", "3") and graph.ancestors("3") == {"2"}
 
 
 def test_all_problems_are_reported_in_one_pass(nodes):
