@@ -15,8 +15,9 @@ does not support), `CopyFlags.available` says no and the runner keeps the events
 
 Compiling and checking the kernel takes 0.7 to 1 s in a new process (Triton hashes its sources, compiles or
 loads the kernel, and the check waits for a delayed flag), which the first image must not wait for: a runner
-that may stream starts the check in a background thread when it is made (`warm_up`), and until the check is
-done `available` says no, so that the calls meanwhile wait for events. The check runs on streams of its own,
+starts the check in a background thread when it first adopts a plan that streams (`warm_up`; a module that
+stays resident never imports Triton), and until the check is done `available` says no, so that the calls
+meanwhile wait for events. The check runs on streams of its own,
 which never synchronize with a stream that the main thread is capturing.
 """
 
@@ -75,6 +76,15 @@ class CopyFlags:
                 thread = _CHECKING.get(index)
             if thread is not None:
                 thread.join()
+        with _LOCK:
+            return _AVAILABLE.get(index, False)
+
+    @staticmethod
+    def ready(device: torch.device) -> bool:
+        """Whether polling is known to work on `device` now; unlike `available`, starts no check."""
+        if not ENABLED or device.type != "cuda":
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
         with _LOCK:
             return _AVAILABLE.get(index, False)
 

@@ -72,7 +72,7 @@ def call_rates(device: torch.device, graphs: bool) -> tuple[float | None, float]
     bandwidth = copy_bandwidth(device)
     if bandwidth is None or not graphs:
         return bandwidth, SEGMENT_GAP
-    if CopyFlags.available(device):
+    if CopyFlags.ready(device):
         return bandwidth, POLLED_SEGMENT_GAP
     return bandwidth * GRAPH_COPY_SHARE, SEGMENT_GAP
 

@@ -93,6 +93,15 @@ def build_vocab(merges: tuple[tuple[str, str], ...]) -> list[str]:
     return [*byte_chars, *(c + "</w>" for c in byte_chars), *merged, BOS_TOKEN, EOS_TOKEN]
 
 
+@cache
+def _tables(path: Path) -> tuple[list[str], dict[str, int], dict[tuple[str, str], int]]:
+    """The vocabulary, token ids and merge ranks of a merges file (read only: CLIPTokenizer never edits
+    them, so SDXL's two tokenizers share one set)."""
+    merges = load_merges(path)
+    vocab = build_vocab(merges)
+    return vocab, {token: index for index, token in enumerate(vocab)}, {m: r for r, m in enumerate(merges)}
+
+
 def _is_letter(char: str) -> bool:
     return unicodedata.category(char).startswith("L")
 
@@ -140,10 +149,8 @@ class CLIPTokenizer:
     def __init__(self, pad_with: str = "eos", merges_path: Path = MERGES_PATH):
         if pad_with not in PAD_CHOICES:
             raise ValueError(f"unknown pad_with {pad_with!r}; accepted: {', '.join(PAD_CHOICES)}")
-        merges = load_merges(Path(merges_path))
-        self.vocab = build_vocab(merges)  # token string by id
-        self.token_ids = {token: index for index, token in enumerate(self.vocab)}
-        self.merge_ranks = {merge: rank for rank, merge in enumerate(merges)}
+        # token string by id, id by token string, rank by merge: shared by every tokenizer of the file
+        self.vocab, self.token_ids, self.merge_ranks = _tables(Path(merges_path))
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}
         self.bos_id = self.token_ids[BOS_TOKEN]  # 49406
