@@ -36,6 +36,7 @@ from app.server.queue import PromptQueue
 from app.server.routes import RequestError, Routes
 from engine import telemetry
 from engine.graph.executor import Executor
+from engine.jsonfile import JsonInputError, load_json
 from engine.memory.runtime import get_runtime
 from engine.settings import Settings
 from nodes.registry import NodeRegistry
@@ -85,6 +86,15 @@ def listen_problem(hosts: list[str], auth_token: str | None, insecure: bool) -> 
                 f"output folder; give --auth-token TOKEN (or SLUICE_AUTH_TOKEN) so clients must send it, or "
                 f"--insecure to serve without one")
     return None
+
+
+def _is_feature_flags(text: str) -> bool:
+    """Whether a client's websocket message is ComfyUI's {"type": "feature_flags", "data": {...}}."""
+    try:
+        message = load_json(text, "a websocket message")
+    except JsonInputError:
+        return False
+    return isinstance(message, dict) and message.get("type") == "feature_flags"
 
 
 class _Client:
@@ -191,6 +201,10 @@ class SluiceServer:
         for client in targets:
             client.push(message, droppable)
 
+    def features(self) -> dict[str, Any]:
+        """ComfyUI's server feature flags (GET /features, and the answer to a client's feature_flags)."""
+        return {"supports_preview_metadata": False, "max_upload_size": self.options.max_upload_bytes}
+
     def queue_info(self) -> dict[str, Any]:
         return {"exec_info": {"queue_remaining": self.queue.remaining()}}
 
@@ -221,10 +235,15 @@ class SluiceServer:
         if executing_client == sid and node_id is not None:
             client.push(json.dumps({"type": "executing", "data": {"node": node_id, "display_node": node_id,
                                                                   "prompt_id": prompt_id}}))
+        first_text = True
         try:
             async for message in ws:
                 if message.type == WSMsgType.ERROR:
                     log.info("websocket client %s: %s", sid, ws.exception())
+                elif message.type == WSMsgType.TEXT and first_text:
+                    first_text = False
+                    if _is_feature_flags(message.data):  # ComfyUI's negotiation: answer with the server's
+                        client.push(json.dumps({"type": "feature_flags", "data": self.features()}))
         finally:
             if self.clients.get(sid) is client:
                 del self.clients[sid]

@@ -111,3 +111,69 @@ def test_interrupt_stops_the_sampler_within_a_step(start_server, serve_registry)
                                             client_id="next"))
     assert "execution_success" in after.types()
     assert after.of("execution_cached")[0]["nodes"] == ["1", "2", "3", "4", "5"]
+
+
+async def every_message_in_order(url, prompt, client_id, **fields):
+    """Everything the websocket sends until `executing` with node null, in order: (type, data), with
+    binary messages as ("binary", header)."""
+    received = []
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{url}/ws?clientId={client_id}") as ws:
+            body = {"prompt": prompt, "client_id": client_id, **fields}
+            async with session.post(f"{url}/prompt", json=body) as answer:
+                assert answer.status == 200, await answer.text()
+            async for message in ws:
+                if message.type == aiohttp.WSMsgType.BINARY:
+                    received.append(("binary", preview_header(message.data)))
+                    continue
+                parsed = json.loads(message.data)
+                received.append((parsed["type"], parsed["data"]))
+                if parsed["type"] == "executing" and parsed["data"]["node"] is None:
+                    return received
+    raise AssertionError("the websocket closed before the prompt finished")
+
+
+def test_websocket_messages_come_in_comfyuis_order(start_server, serve_registry):
+    """ComfyUI's order (execution.py, main.py's prompt worker): status on connecting; execution_start,
+    execution_cached; per node run executing, then its progress and preview frames, then executed for a
+    node that saved images; execution_success; the queue's status; executing with node null."""
+    url, _ = start_server()
+    received = asyncio.run(every_message_in_order(url, default_prompt(serve_registry.get, steps=3), "order",
+                                                  extra_data={"preview_method": "latent2rgb"}))
+    kinds = [kind for kind, _ in received]
+    assert kinds[0] == "status" and received[0][1]["sid"] == "order"
+    start = kinds.index("execution_start")
+    assert set(kinds[:start]) == {"status"}
+    assert kinds[start + 1] == "execution_cached"
+    assert kinds[-3:] == ["execution_success", "status", "executing"]
+    assert received[-1][1]["node"] is None and received[-2][1] == {"status": {"exec_info": {
+        "queue_remaining": 0}}}
+    running = None  # the node of the last `executing`
+    seen = []
+    for kind, data in received[start + 2:-3]:
+        if kind == "executing":
+            running = data["node"]
+            seen.append(("executing", running))
+        elif kind in ("progress", "executed"):
+            assert data["node"] == running, (kind, data)
+            seen.append((kind, running))
+        elif kind == "binary":
+            assert data == (1, 1) and running is not None
+            seen.append(("binary", running))
+        else:
+            raise AssertionError(f"{kind} while nodes run")
+    nodes = [node for kind, node in seen if kind == "executing"]
+    assert nodes == ["1", "2", "3", "4", "5", "6", "7", "8"]
+    assert [node for kind, node in seen if kind == "progress"] == ["6"] * 3
+    assert {node for kind, node in seen if kind == "binary"} == {"6"}
+    assert seen[-1] == ("executed", "8")
+
+
+def test_preview_method_of_a_prompt_chooses_its_frames(start_server, serve_registry):
+    url, _ = start_server()
+    _, none = asyncio.run(queue_and_follow(url, default_prompt(serve_registry.get, steps=2), client_id="a",
+                                           extra_data={"preview_method": "none"}))
+    assert none.frames == [] and "execution_success" in none.types()
+    _, shown = asyncio.run(queue_and_follow(url, default_prompt(serve_registry.get, steps=2, seed=5),
+                                            client_id="b", extra_data={"preview_method": "latent2rgb"}))
+    assert len(shown.frames) == 2 and all(preview_header(frame) == (1, 1) for frame in shown.frames)

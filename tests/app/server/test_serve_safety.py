@@ -14,7 +14,7 @@ from PIL import Image
 from serve_client import image_prompt, queue_and_follow, request
 
 from app.cli import build_parser, main
-from app.server.server import listen_problem
+from app.server.server import WS_MAX_MESSAGE, listen_problem
 
 ROUTES = [("GET", "/prompt"), ("POST", "/prompt"), ("GET", "/queue"), ("POST", "/queue"),
           ("POST", "/interrupt"), ("GET", "/history"), ("GET", "/history/x"), ("POST", "/history"),
@@ -123,6 +123,7 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
 # -- /view stays inside its folders --
 
 @pytest.mark.parametrize("params, status", [
+    ({"filename": ""}, 400),
     ({"filename": "../secret.txt"}, 400),
     ({"filename": "/etc/hostname"}, 400),
     ({"filename": "..\\secret.txt"}, 400),
@@ -226,6 +227,8 @@ def test_overwrite_is_honoured_in_the_input_folder_only_and_replaces_links_not_t
     target = tmp_path / "target.png"
     target.write_bytes(b"keep me")
     os.symlink(target, input_folder / "link.png")
+    assert upload(url, "link.png", png_bytes()).json()["name"] == "link (1).png"  # no overwrite: a new name
+    assert target.read_bytes() == b"keep me" and (input_folder / "link.png").is_symlink()
     assert upload(url, "link.png", png_bytes(), overwrite="true").status == 200
     assert target.read_bytes() == b"keep me" and not (input_folder / "link.png").is_symlink()
 
@@ -255,6 +258,26 @@ def test_uploads_over_the_limit_are_refused(start_server, serve_settings):
     assert not (serve_settings.output_dir.parent / "input" / "big.png").exists()
 
 
+def test_websocket_messages_over_the_limit_close_that_socket_only(start_server):
+    url, _ = start_server()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=big") as ws:
+                assert json.loads((await ws.receive()).data)["type"] == "status"
+                await ws.send_str("x" * (WS_MAX_MESSAGE + 1))
+                while (message := await ws.receive()).type == aiohttp.WSMsgType.TEXT:
+                    pass
+                return message.type, ws.close_code
+
+    kind, code = asyncio.run(scenario())
+    assert kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+    assert code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+    assert request("GET", f"{url}/prompt").status == 200
+    _, followed = asyncio.run(queue_and_follow(url, image_prompt(), client_id="big"))
+    assert "execution_success" in followed.types()
+
+
 # -- malformed bodies --
 
 @pytest.mark.parametrize("path, body", [
@@ -274,6 +297,8 @@ def test_uploads_over_the_limit_are_refused(start_server, serve_settings):
     ("/prompt", json.dumps({"prompt": image_prompt(), "prompt_id": "x" * 500}).encode()),
     ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": []}).encode()),
     ("/prompt", json.dumps({"prompt": image_prompt(), "partial_execution_targets": "2"}).encode()),
+    ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": {"preview_method": ["auto"]}}).encode()),
+    ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": {"preview_method": "up"}}).encode()),
     ("/queue", json.dumps({"delete": "abc"}).encode()),
     ("/queue", json.dumps({"clear": "yes"}).encode()),
     ("/history", json.dumps({"delete": [1, 2]}).encode()),
