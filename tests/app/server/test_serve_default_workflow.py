@@ -177,3 +177,41 @@ def test_preview_method_of_a_prompt_chooses_its_frames(start_server, serve_regis
     _, shown = asyncio.run(queue_and_follow(url, default_prompt(serve_registry.get, steps=2, seed=5),
                                             client_id="b", extra_data={"preview_method": "latent2rgb"}))
     assert len(shown.frames) == 2 and all(preview_header(frame) == (1, 1) for frame in shown.frames)
+
+
+def test_a_prompt_without_client_id_sends_only_its_progress_and_previews_to_every_client(start_server,
+                                                                                         serve_registry):
+    """ComfyUI's rule: with no client_id, progress and preview frames go to every client (send_sync with
+    sid None), the messages that need a client (execution_*, executing, executed) to none."""
+    url, _ = start_server()
+
+    async def watch():
+        received = []
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=watcher") as ws:
+                await ws.receive()  # status
+                body = {"prompt": default_prompt(serve_registry.get, steps=2),
+                        "extra_data": {"preview_method": "latent2rgb"}}
+                async with session.post(f"{url}/prompt", json=body) as answer:
+                    prompt_id = (await answer.json())["prompt_id"]
+                busy = False
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        received.append(("binary", None))
+                        continue
+                    parsed = json.loads(message.data)
+                    received.append((parsed["type"], parsed["data"]))
+                    if parsed["type"] == "status":
+                        remaining = parsed["data"]["status"]["exec_info"]["queue_remaining"]
+                        busy = busy or remaining > 0
+                        if busy and remaining == 0:
+                            return prompt_id, received
+        raise AssertionError("the websocket closed")
+
+    prompt_id, received = asyncio.run(watch())
+    kinds = [kind for kind, _ in received]
+    assert set(kinds) == {"status", "progress", "binary"}
+    assert [data["prompt_id"] for kind, data in received if kind == "progress"] == [prompt_id] * 2
+    entry = request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]
+    assert entry["status"]["status_str"] == "success"
+    assert entry["prompt"][3] == {"preview_method": "latent2rgb"}

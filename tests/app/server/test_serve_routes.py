@@ -229,6 +229,22 @@ def test_view_serves_output_files_and_converts_channels(start_server, serve_sett
     assert request("GET", f"{url}/view", params={**ref, "type": "elsewhere"}).status == 400
 
 
+def test_preview_images_are_temp_files_served_by_view(start_server, serve_settings):
+    url, _ = start_server()
+    prompt = {"1": image_prompt(color=0x0000FF)["1"],
+              "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
+    prompt_id, followed = asyncio.run(queue_and_follow(url, prompt))
+    (ref,) = followed.of("executed")[0]["output"]["images"]
+    assert ref["type"] == "temp"
+    history = request("GET", f"{url}/history/{prompt_id}").json()
+    assert history[prompt_id]["outputs"] == {"2": {"images": [ref]}}
+    reply = request("GET", f"{url}/view", params=ref)
+    assert reply.status == 200
+    assert Image.open(io.BytesIO(reply.body)).convert("RGB").getpixel((0, 0)) == (0, 0, 255)
+    assert request("GET", f"{url}/view", params={**ref, "type": "output"}).status == 404
+    assert not serve_settings.output_dir.exists() or not any(serve_settings.output_dir.iterdir())
+
+
 def png_bytes(color=(255, 0, 0, 255), size=(8, 8)):
     buffer = io.BytesIO()
     Image.new("RGBA", size, color).save(buffer, format="PNG")
