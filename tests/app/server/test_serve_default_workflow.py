@@ -10,6 +10,7 @@ import aiohttp
 from PIL import Image
 from serve_client import default_prompt, follow, preview_header, queue_and_follow, request
 
+from engine.graph.executor import Executor
 from engine.telemetry import bus
 
 
@@ -58,6 +59,7 @@ def test_default_workflow_runs_as_in_comfyuis_websocket_example(start_server, se
 
 def test_cached_nodes_stay_cached_and_models_stay_loaded_across_prompts(start_server, serve_registry):
     url, server = start_server()
+    assert type(server.executor) is Executor  # the class `sluice run` and the GUI's worker run
     first_id, _ = asyncio.run(queue_and_follow(url, default_prompt(serve_registry.get, steps=2, seed=1)))
     second_id, second = asyncio.run(queue_and_follow(url, default_prompt(serve_registry.get, steps=2,
                                                                           seed=2)))
