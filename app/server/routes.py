@@ -316,15 +316,19 @@ class Routes:
         data = image.file.read()
         try:
             if mask:
-                data = await self._blocking(_masked_original, self._original_ref(form), data, self.settings)
+                data = await self._masked(self._original_ref(form), data)
             name = await self._blocking(save_upload, folder_of(type_name, self.settings), subfolder,
                                         image.filename or "", data, overwrite)
         except PathRefused as refused:
             raise RequestError(refused.status, "bad_path", refused.message) from None
+        return web.json_response({"name": name, "subfolder": subfolder, "type": type_name})
+
+    async def _masked(self, ref: dict[str, Any], mask_bytes: bytes) -> bytes:
+        try:
+            return await self._blocking(_masked_original, ref, mask_bytes, self.settings)
         except (UnidentifiedImageError, OSError, ValueError) as error:
             raise RequestError(400, "not_an_image",
                                f"cannot read the mask or its original: {error}") from None
-        return web.json_response({"name": name, "subfolder": subfolder, "type": type_name})
 
     @staticmethod
     def _original_ref(form: Any) -> dict[str, Any]:

@@ -55,6 +55,7 @@ def assert_refused(reply, status):
     assert reply.status == status, reply.body
     message = reply.json()["error"]["message"]
     assert message and "Traceback" not in message
+    return message
 
 
 # -- where it listens --
@@ -132,6 +133,9 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
     ({"filename": "hostname", "subfolder": "/etc"}, 403),
     ({"filename": "x.png", "subfolder": "a\x00b"}, 400),
     ({"filename": "x.png", "type": "models"}, 400),
+    ({"filename": "a" * 300 + ".png"}, 400),
+    ({"filename": "x.png", "subfolder": "x/" * 3000}, 400),
+    ({"filename": "x.png", "subfolder": "b" * 300}, 400),
 ])
 def test_view_refuses_paths_out_of_its_folders(start_server, serve_settings, params, status):
     url, _ = start_server()
@@ -150,6 +154,8 @@ def test_view_refuses_symbolic_links_out_of_the_folder(start_server, serve_setti
     assert_refused(request("GET", f"{url}/view", params={"filename": "link.png"}), 403)
     linked = {"filename": "secret.png", "subfolder": "linked"}
     assert_refused(request("GET", f"{url}/view", params=linked), 403)
+    os.symlink(serve_settings.output_dir / "loop.png", serve_settings.output_dir / "loop.png")
+    assert_refused(request("GET", f"{url}/view", params={"filename": "loop.png"}), 404)  # no file to read
 
 
 def test_prompts_cannot_load_images_from_outside_the_input_folder(start_server, tmp_path):
@@ -180,6 +186,8 @@ def test_prompts_cannot_load_images_from_outside_the_input_folder(start_server, 
     ("fine.png", {"subfolder": "../.."}, 403),
     ("fine.png", {"subfolder": "/tmp"}, 403),
     ("fine.png", {"type": "models"}, 400),
+    ("a" * 300 + ".png", {}, 400),
+    ("fine.png", {"subfolder": "x/" * 2000}, 400),
 ])
 def test_upload_refuses_names_out_of_its_folder(start_server, serve_settings, name, fields, status):
     url, _ = start_server()
@@ -202,6 +210,19 @@ def test_upload_refuses_a_subfolder_that_links_out(start_server, serve_settings,
     os.symlink(outside, input_folder / "linked")
     assert_refused(upload(url, "x.png", png_bytes(), subfolder="linked"), 403)
     assert list(outside.iterdir()) == []
+
+
+def test_upload_into_a_subfolder_that_is_a_file_or_a_loop_is_400(start_server, serve_settings):
+    url, _ = start_server()
+    assert upload(url, "pic.png", png_bytes()).status == 200
+    for subfolder in ("pic.png", "pic.png/deeper"):
+        message = assert_refused(upload(url, "x.png", png_bytes(), subfolder=subfolder), 400)
+        assert message.startswith(f"file 'x.png' in subfolder {subfolder!r} cannot be used: ")
+    input_folder = serve_settings.output_dir.parent / "input"
+    os.symlink(input_folder / "loop", input_folder / "loop")
+    message = assert_refused(upload(url, "x.png", png_bytes(), subfolder="loop"), 400)
+    assert message.startswith("file 'x.png' in subfolder 'loop' cannot be used: ")
+    assert sorted(path.name for path in input_folder.iterdir()) == ["loop", "pic.png"]
 
 
 def test_uploads_never_overwrite_outside_the_input_folder(start_server, serve_settings):
