@@ -9,7 +9,9 @@ are not (a client that falls too far behind is disconnected).
 Every request passes one guard: with an auth token, every route and the websocket need it (`Authorization:
 Bearer TOKEN`, or `?token=TOKEN` where a header cannot be set, as for a browser's websocket); without one,
 a request whose Origin is not the server's own is refused (a web page must not queue prompts on a loopback
-server, ComfyUI's check). Request errors are JSON in ComfyUI's error shape with a message, never a
+server, ComfyUI's check), and a server that listens on loopback only also refuses a Host that is not a
+loopback address or localhost (a page whose DNS name was rebound to 127.0.0.1 sends its own name as both
+Host and Origin). Request errors are JSON in ComfyUI's error shape with a message, never a
 traceback; an unexpected failure is logged and answered with a 500 that says so.
 """
 
@@ -73,6 +75,19 @@ def is_loopback(host: str) -> bool:
     except (socket.gaierror, UnicodeError):
         return False
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def _loopback_host(host: str) -> bool:
+    """Whether a request's Host names this machine without a DNS lookup: a loopback address, localhost or a
+    name under .localhost (which browsers resolve to loopback themselves, RFC 6761)."""
+    try:
+        name = (urlsplit(f"//{host}").hostname or "").rstrip(".")
+    except ValueError:  # not a host name ("[::1" ...)
+        return False
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return name == "localhost" or name.endswith(".localhost")
 
 
 def listen_problem(hosts: list[str], auth_token: str | None, insecure: bool) -> str | None:
@@ -146,6 +161,7 @@ class SluiceServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._memory_task: asyncio.Task | None = None
+        self._loopback_only = True  # every address it listens on is a loopback one (set by start)
         self.app = web.Application(client_max_size=self.options.max_upload_bytes, middlewares=[self._guard])
         Routes(self).add_to(self.app)
 
@@ -154,6 +170,7 @@ class SluiceServer:
     async def start(self, hosts: list[str], port: int) -> list[tuple[str, int]]:
         """Start the engine thread and listen; returns the bound (host, port) pairs."""
         self._loop = asyncio.get_running_loop()
+        self._loopback_only = all(is_loopback(host) for host in hosts)
         self.engine.start()
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -263,6 +280,11 @@ class SluiceServer:
                                       "websocket URL)")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
+        if token is None and self._loopback_only and not _loopback_host(request.host):
+            return error_response(403, "forbidden_host", f"requests for host {request.host!r} are refused: "
+                                  f"this server listens on loopback only and answers 127.0.0.1, [::1] and "
+                                  f"localhost (another name may be a web page's DNS name rebound to this "
+                                  f"machine); serve with --auth-token to accept other names")
         if token is None and not self._same_origin(request):
             return error_response(403, "forbidden_origin", f"requests from the web page at "
                                   f"{request.headers.get('Origin')!r} are refused: its origin is not this "

@@ -121,6 +121,37 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
     assert request("GET", f"{url}/queue", headers={"Origin": f"http://{host}"}).status == 200
 
 
+def test_a_loopback_server_without_a_token_answers_loopback_host_names_only(start_server):
+    """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host and Origin: refused."""
+    url, _ = start_server()
+    port = url.rsplit(":", 1)[1]
+    rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    reply = request("POST", f"{url}/prompt", json={"prompt": image_prompt()}, headers=rebound)
+    assert_refused(reply, 403)
+    assert reply.json()["error"]["type"] == "forbidden_host" and "evil.example" in reply.json()["error"][
+        "message"]
+
+    async def websocket():
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(f"{url}/ws?clientId=rebound", headers=rebound):
+                    return 101
+            except aiohttp.WSServerHandshakeError as error:
+                return error.status
+
+    assert asyncio.run(websocket()) == 403
+    for host in ("127.0.0.1", "localhost", "app.localhost", "[::1]"):
+        assert request("GET", f"{url}/queue", headers={"Host": f"{host}:{port}"}).status == 200, host
+    assert request("GET", f"{url}/history").json() == {}  # nothing was queued
+
+
+def test_with_a_token_other_host_names_are_answered(start_server):
+    url, _ = start_server(auth_token="s3cret")
+    port = url.rsplit(":", 1)[1]
+    headers = {"Host": f"gpu-box.lan:{port}", "Authorization": "Bearer s3cret"}
+    assert request("GET", f"{url}/queue", headers=headers).status == 200
+
+
 # -- /view stays inside its folders --
 
 @pytest.mark.parametrize("params, status", [
