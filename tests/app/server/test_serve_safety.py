@@ -120,6 +120,17 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
     host = url.removeprefix("http://")
     assert request("GET", f"{url}/queue", headers={"Origin": f"http://{host}"}).status == 200
 
+    async def websocket(origin):
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(f"{url}/ws?clientId=page", headers={"Origin": origin}) as ws:
+                    return json.loads((await ws.receive()).data)["type"]
+            except aiohttp.WSServerHandshakeError as error:
+                return error.status
+
+    assert asyncio.run(websocket("http://evil.example")) == 403
+    assert asyncio.run(websocket(f"http://{host}")) == "status"
+
 
 def test_a_loopback_server_without_a_token_answers_loopback_host_names_only(start_server):
     """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host and Origin: refused."""
