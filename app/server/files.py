@@ -4,12 +4,15 @@ file in them: `view_path` for GET /view and `save_upload` for the uploads.
 Every name from a request is checked before it touches the file system: a file name is one path component
 (no separators, no "..", no NUL byte), a subfolder is relative and never climbs out, and the resolved path,
 symbolic links followed, must stay inside the folder. A bad file name is a 400, a subfolder or link that
-leads out a 403 (ComfyUI's codes), a missing file a 404. Uploads never replace a file, except in the input
+leads out a 403 (ComfyUI's codes), a missing file a 404; names longer than the file system takes, subfolders
+over MAX_SUBFOLDER_CHARS or MAX_SUBFOLDER_DEPTH, and paths the file system refuses (a file where a folder
+should be, a loop of links) are a 400. Uploads never replace a file, except in the input
 folder when the request asks (`overwrite`), and then they replace the entry itself, never a link's target.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import tempfile
@@ -20,6 +23,10 @@ from nodes.image import input_dir, preview_dir
 
 FOLDER_TYPES = ("output", "input", "temp")
 ANNOTATIONS = {f" [{name}]": name for name in FOLDER_TYPES}  # ComfyUI's "name.png [output]" form
+MAX_NAME_BYTES = 255  # a file or folder name (the file systems' NAME_MAX)
+MAX_SUBFOLDER_CHARS = 1024
+MAX_SUBFOLDER_DEPTH = 64
+UNUSABLE_PATH = (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EEXIST)  # the request's
 
 
 class PathRefused(Exception):
@@ -60,7 +67,15 @@ def check_file_name(name: str) -> str:
         raise PathRefused(400, f"file name {name!r} contains a path separator; give the folder as subfolder")
     if name in (".", "..") or name.startswith(".."):
         raise PathRefused(400, f"file name {name!r} is not a file name")
+    if len(os.fsencode(name)) > MAX_NAME_BYTES:
+        raise PathRefused(400, f"the file name is {len(os.fsencode(name))} bytes long; at most "
+                               f"{MAX_NAME_BYTES} are accepted")
     return name
+
+
+def _unusable(error: OSError, what: str) -> PathRefused:
+    """A path the file system refuses (too long, a file where a folder should be, a loop of links)."""
+    return PathRefused(400, f"{what} cannot be used: {error.strerror}")
 
 
 def subfolder_path(folder: Path, subfolder: str) -> Path:
@@ -75,6 +90,11 @@ def subfolder_path(folder: Path, subfolder: str) -> Path:
         raise PathRefused(403, f"subfolder {subfolder!r} is an absolute path; give a path inside the folder")
     if ".." in relative.parts:
         raise PathRefused(403, f"subfolder {subfolder!r} contains '..'; give a path inside the folder")
+    if len(subfolder) > MAX_SUBFOLDER_CHARS or len(relative.parts) > MAX_SUBFOLDER_DEPTH or any(
+            len(os.fsencode(part)) > MAX_NAME_BYTES for part in relative.parts):
+        raise PathRefused(400, f"the subfolder ({len(subfolder)} characters, {len(relative.parts)} levels) "
+                               f"is too long; accepted: at most {MAX_SUBFOLDER_CHARS} characters, "
+                               f"{MAX_SUBFOLDER_DEPTH} levels and {MAX_NAME_BYTES} bytes a folder name")
     path = folder.joinpath(*relative.parts)
     _check_inside(folder, path, f"subfolder {subfolder!r}")
     return path
@@ -93,7 +113,13 @@ def view_path(filename: str, subfolder: str, type_name: str | None, settings: Se
     folder = folder_of(annotated or type_name or "output", settings)
     path = subfolder_path(folder, subfolder) / check_file_name(name)
     _check_inside(folder, path, f"file {name!r}")
-    if not path.is_file():
+    try:
+        found = path.is_file()
+    except OSError as error:
+        if error.errno not in UNUSABLE_PATH:
+            raise
+        raise _unusable(error, f"file {name!r} in subfolder {subfolder!r}") from None
+    if not found:
         raise PathRefused(404, f"no file {name!r} in subfolder {subfolder!r}")
     return path
 
@@ -122,6 +148,16 @@ def save_upload(folder: Path, subfolder: str, filename: str, data: bytes, overwr
     replaced atomically (a symbolic link is replaced, never written through)."""
     name = check_file_name(filename)
     target_folder = subfolder_path(folder, subfolder)
+    try:
+        return _write_upload(folder, target_folder, subfolder, name, data, overwrite)
+    except OSError as error:
+        if error.errno not in UNUSABLE_PATH:
+            raise
+        raise _unusable(error, f"file {name!r} in subfolder {subfolder!r}") from None
+
+
+def _write_upload(folder: Path, target_folder: Path, subfolder: str, name: str, data: bytes,
+                  overwrite: bool) -> str:
     target_folder.mkdir(parents=True, exist_ok=True)
     _check_inside(folder, target_folder, f"subfolder {subfolder!r}")
     if overwrite:

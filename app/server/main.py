@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -36,8 +37,8 @@ def serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         print(f"sluice: --port {args.port} is not a port number (0 to 65535)", file=sys.stderr)
         return EXIT_USAGE
-    if args.max_upload_size <= 0:
-        print(f"sluice: --max-upload-size {args.max_upload_size} must be a positive number of MB",
+    if not math.isfinite(args.max_upload_size) or args.max_upload_size <= 0:
+        print(f"sluice: --max-upload-size {args.max_upload_size:g} must be a positive number of MB",
               file=sys.stderr)
         return EXIT_USAGE
     settings = _settings(args)

@@ -20,7 +20,8 @@
     GET  /embeddings        the embeddings' names without extensions
     POST /free              {"unload_models"?, "free_memory"?}: drop cached results between prompts
     GET  /features          {"supports_preview_metadata": false, "max_upload_size"}
-    GET  /ws                the websocket (server.py)
+    GET  /ws                the websocket (server.py; answers a first {"type": "feature_flags"} message
+                            with the server's flags, as ComfyUI does)
 
 Where ComfyUI answers a bad request with an empty 400, Sluice adds a JSON body that says what was wrong.
 """
@@ -195,7 +196,11 @@ class Routes:
         extra_data = dict(extra_data)
         if client_id is not None:
             extra_data["client_id"] = client_id
-        method = PREVIEW_METHODS.get(extra_data.get("preview_method")) or self.server.options.preview_method
+        chosen = extra_data.get("preview_method", "default")
+        if not isinstance(chosen, str) or chosen not in PREVIEW_METHODS:
+            raise RequestError(400, "invalid_field", f"extra_data.preview_method {chosen!r} is not one of "
+                                                     f"{', '.join(PREVIEW_METHODS)}")
+        method = PREVIEW_METHODS[chosen] or self.server.options.preview_method
         try:
             checked = await self._blocking(check_prompt, body["prompt"], self.server.registry.get,
                                            self.settings, method, targets)
@@ -311,15 +316,19 @@ class Routes:
         data = image.file.read()
         try:
             if mask:
-                data = await self._blocking(_masked_original, self._original_ref(form), data, self.settings)
+                data = await self._masked(self._original_ref(form), data)
             name = await self._blocking(save_upload, folder_of(type_name, self.settings), subfolder,
                                         image.filename or "", data, overwrite)
         except PathRefused as refused:
             raise RequestError(refused.status, "bad_path", refused.message) from None
+        return web.json_response({"name": name, "subfolder": subfolder, "type": type_name})
+
+    async def _masked(self, ref: dict[str, Any], mask_bytes: bytes) -> bytes:
+        try:
+            return await self._blocking(_masked_original, ref, mask_bytes, self.settings)
         except (UnidentifiedImageError, OSError, ValueError) as error:
             raise RequestError(400, "not_an_image",
                                f"cannot read the mask or its original: {error}") from None
-        return web.json_response({"name": name, "subfolder": subfolder, "type": type_name})
 
     @staticmethod
     def _original_ref(form: Any) -> dict[str, Any]:
@@ -391,8 +400,7 @@ class Routes:
         return web.json_response([os.path.splitext(name)[0] for name in names])
 
     async def get_features(self, request: web.Request) -> web.Response:
-        return web.json_response({"supports_preview_metadata": False,
-                                  "max_upload_size": self.server.options.max_upload_bytes})
+        return web.json_response(self.server.features())
 
 
 def _converted_image(path: Any, channel: str, preview: str | None) -> tuple[bytes, str]:

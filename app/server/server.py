@@ -9,7 +9,9 @@ are not (a client that falls too far behind is disconnected).
 Every request passes one guard: with an auth token, every route and the websocket need it (`Authorization:
 Bearer TOKEN`, or `?token=TOKEN` where a header cannot be set, as for a browser's websocket); without one,
 a request whose Origin is not the server's own is refused (a web page must not queue prompts on a loopback
-server, ComfyUI's check). Request errors are JSON in ComfyUI's error shape with a message, never a
+server, ComfyUI's check), and a server that listens on loopback only also refuses a Host that is not a
+loopback address or localhost (a page whose DNS name was rebound to 127.0.0.1 sends its own name as both
+Host and Origin). Request errors are JSON in ComfyUI's error shape with a message, never a
 traceback; an unexpected failure is logged and answered with a 500 that says so.
 """
 
@@ -36,6 +38,7 @@ from app.server.queue import PromptQueue
 from app.server.routes import RequestError, Routes
 from engine import telemetry
 from engine.graph.executor import Executor
+from engine.jsonfile import JsonInputError, load_json
 from engine.memory.runtime import get_runtime
 from engine.settings import Settings
 from nodes.registry import NodeRegistry
@@ -74,6 +77,19 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
 
 
+def _loopback_host(host: str) -> bool:
+    """Whether a request's Host names this machine without a DNS lookup: a loopback address, localhost or a
+    name under .localhost (which browsers resolve to loopback themselves, RFC 6761)."""
+    try:
+        name = (urlsplit(f"//{host}").hostname or "").rstrip(".")
+    except ValueError:  # not a host name ("[::1" ...)
+        return False
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return name == "localhost" or name.endswith(".localhost")
+
+
 def listen_problem(hosts: list[str], auth_token: str | None, insecure: bool) -> str | None:
     """Why the server must not listen on `hosts`, or None: a non-loopback address needs a token or
     --insecure."""
@@ -85,6 +101,15 @@ def listen_problem(hosts: list[str], auth_token: str | None, insecure: bool) -> 
                 f"output folder; give --auth-token TOKEN (or SLUICE_AUTH_TOKEN) so clients must send it, or "
                 f"--insecure to serve without one")
     return None
+
+
+def _is_feature_flags(text: str) -> bool:
+    """Whether a client's websocket message is ComfyUI's {"type": "feature_flags", "data": {...}}."""
+    try:
+        message = load_json(text, "a websocket message")
+    except JsonInputError:
+        return False
+    return isinstance(message, dict) and message.get("type") == "feature_flags"
 
 
 class _Client:
@@ -136,6 +161,7 @@ class SluiceServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._memory_task: asyncio.Task | None = None
+        self._loopback_only = True  # every address it listens on is a loopback one (set by start)
         self.app = web.Application(client_max_size=self.options.max_upload_bytes, middlewares=[self._guard])
         Routes(self).add_to(self.app)
 
@@ -144,6 +170,7 @@ class SluiceServer:
     async def start(self, hosts: list[str], port: int) -> list[tuple[str, int]]:
         """Start the engine thread and listen; returns the bound (host, port) pairs."""
         self._loop = asyncio.get_running_loop()
+        self._loopback_only = all(is_loopback(host) for host in hosts)
         self.engine.start()
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -191,6 +218,10 @@ class SluiceServer:
         for client in targets:
             client.push(message, droppable)
 
+    def features(self) -> dict[str, Any]:
+        """ComfyUI's server feature flags (GET /features, and the answer to a client's feature_flags)."""
+        return {"supports_preview_metadata": False, "max_upload_size": self.options.max_upload_bytes}
+
     def queue_info(self) -> dict[str, Any]:
         return {"exec_info": {"queue_remaining": self.queue.remaining()}}
 
@@ -221,10 +252,15 @@ class SluiceServer:
         if executing_client == sid and node_id is not None:
             client.push(json.dumps({"type": "executing", "data": {"node": node_id, "display_node": node_id,
                                                                   "prompt_id": prompt_id}}))
+        first_text = True
         try:
             async for message in ws:
                 if message.type == WSMsgType.ERROR:
                     log.info("websocket client %s: %s", sid, ws.exception())
+                elif message.type == WSMsgType.TEXT and first_text:
+                    first_text = False
+                    if _is_feature_flags(message.data):  # ComfyUI's negotiation: answer with the server's
+                        client.push(json.dumps({"type": "feature_flags", "data": self.features()}))
         finally:
             if self.clients.get(sid) is client:
                 del self.clients[sid]
@@ -244,6 +280,11 @@ class SluiceServer:
                                       "websocket URL)")
             response.headers["WWW-Authenticate"] = "Bearer"
             return response
+        if token is None and self._loopback_only and not _loopback_host(request.host):
+            return error_response(403, "forbidden_host", f"requests for host {request.host!r} are refused: "
+                                  f"this server listens on loopback only and answers 127.0.0.1, [::1] and "
+                                  f"localhost (another name may be a web page's DNS name rebound to this "
+                                  f"machine); serve with --auth-token to accept other names")
         if token is None and not self._same_origin(request):
             return error_response(403, "forbidden_origin", f"requests from the web page at "
                                   f"{request.headers.get('Origin')!r} are refused: its origin is not this "

@@ -5,6 +5,8 @@ the values ComfyUI's list has that Sluice's must have too."""
 
 import json
 
+from serve_client import request
+
 from app.server.schema import object_info
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
@@ -50,9 +52,11 @@ def check_inputs(section, expected):
             assert given_options.get(key) == value, (name, key)
 
 
-def test_ksampler_checkpoint_loader_and_clip_text_encode_match_comfyui(serve_registry, serve_settings):
-    info = object_info(serve_registry, serve_settings)
+def test_ksampler_checkpoint_loader_and_clip_text_encode_match_comfyui(start_server):
+    url, _ = start_server()
+    info = {}
     for name, (required, outputs, output_names, category, display_name) in EXPECTED.items():
+        info.update(request("GET", f"{url}/object_info/{name}").json())
         entry = info[name]
         check_inputs(entry["input"]["required"], required)
         assert entry["input_order"]["required"] == [input_name for input_name, _, _ in required]
@@ -65,6 +69,9 @@ def test_ksampler_checkpoint_loader_and_clip_text_encode_match_comfyui(serve_reg
     assert list(info["CheckpointLoaderSimple"]["input"]["optional"]) == ["backend", "params_backend"]
     assert info["CheckpointLoaderSimple"]["input_order"]["optional"] == ["backend", "params_backend"]
     assert "optional" not in info["KSampler"]["input"]
+    # a choice without a default starts at its first value in ComfyUI's clients: euler, as in ComfyUI
+    assert info["KSampler"]["input"]["required"]["sampler_name"][0][0] == "euler"
+    assert request("GET", f"{url}/object_info").json()["KSampler"] == info["KSampler"]
 
 
 def test_every_node_type_is_described_in_comfyuis_schema(serve_registry, serve_settings):

@@ -229,6 +229,22 @@ def test_view_serves_output_files_and_converts_channels(start_server, serve_sett
     assert request("GET", f"{url}/view", params={**ref, "type": "elsewhere"}).status == 400
 
 
+def test_preview_images_are_temp_files_served_by_view(start_server, serve_settings):
+    url, _ = start_server()
+    prompt = {"1": image_prompt(color=0x0000FF)["1"],
+              "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
+    prompt_id, followed = asyncio.run(queue_and_follow(url, prompt))
+    (ref,) = followed.of("executed")[0]["output"]["images"]
+    assert ref["type"] == "temp"
+    history = request("GET", f"{url}/history/{prompt_id}").json()
+    assert history[prompt_id]["outputs"] == {"2": {"images": [ref]}}
+    reply = request("GET", f"{url}/view", params=ref)
+    assert reply.status == 200
+    assert Image.open(io.BytesIO(reply.body)).convert("RGB").getpixel((0, 0)) == (0, 0, 255)
+    assert request("GET", f"{url}/view", params={**ref, "type": "output"}).status == 404
+    assert not serve_settings.output_dir.exists() or not any(serve_settings.output_dir.iterdir())
+
+
 def png_bytes(color=(255, 0, 0, 255), size=(8, 8)):
     buffer = io.BytesIO()
     Image.new("RGBA", size, color).save(buffer, format="PNG")
@@ -331,13 +347,23 @@ def test_get_routes_answer_the_same_under_api(start_server, path):
 
 def test_post_routes_answer_under_api(start_server):
     url, _ = start_server()
-    prompt_id, _ = asyncio.run(queue_and_follow(url, image_prompt()))
+    prompt_id, followed = asyncio.run(queue_and_follow(f"{url}/api", image_prompt(), client_id="api"))
+    assert followed.types()[0] == "status" and "execution_success" in followed.types()  # /api/ws
+    ref = followed.of("executed")[0]["output"]["images"][0]
+    view, prefixed = request("GET", f"{url}/view", params=ref), request("GET", f"{url}/api/view", params=ref)
+    assert view.status == prefixed.status == 200 and view.body == prefixed.body
+    assert request("GET", f"{url}/api/history/{prompt_id}").json() == request(
+        "GET", f"{url}/history/{prompt_id}").json()
     assert request("POST", f"{url}/api/prompt", json={"prompt": image_prompt()}).status == 200
     assert request("POST", f"{url}/api/interrupt").status == 200
     assert request("POST", f"{url}/api/queue", json={"clear": True}).status == 200
     assert request("POST", f"{url}/api/free", json={}).status == 200
     assert request("POST", f"{url}/api/history", json={"delete": [prompt_id]}).status == 200
+    assert prompt_id not in request("GET", f"{url}/history").json()
     assert upload(f"{url}/api", "image", "a.png", png_bytes()).status == 200
+    mask_ref = json.dumps({"filename": "a.png", "subfolder": "", "type": "input"})
+    mask = upload(f"{url}/api", "mask", "a-mask.png", png_bytes((0, 0, 0, 9)), original_ref=mask_ref)
+    assert mask.status == 200 and mask.json() == {"name": "a-mask.png", "subfolder": "", "type": "input"}
 
 
 # -- the websocket --
@@ -364,6 +390,29 @@ def test_websocket_failures_and_client_ids(start_server):
 
     first = asyncio.run(connect_without_id())
     assert first["type"] == "status" and len(first["data"]["sid"]) == 32
+
+
+def test_websocket_answers_comfyuis_feature_flags_once(start_server):
+    url, _ = start_server(max_upload_bytes=12345)
+
+    async def replies(first, second, answers):
+        """Send two messages; read `answers` replies, then check that no other comes within a second."""
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=flags") as ws:
+                assert json.loads((await ws.receive()).data)["type"] == "status"
+                await ws.send_str(json.dumps(first))
+                await ws.send_str(json.dumps(second))
+                got = [json.loads((await ws.receive(timeout=60)).data) for _ in range(answers)]
+                with pytest.raises(asyncio.TimeoutError):
+                    await ws.receive(timeout=1)
+                return got
+
+    flags = {"type": "feature_flags", "data": {"supports_preview_metadata": True}}
+    (answer,) = asyncio.run(replies(flags, flags, 1))  # the first message negotiates, a later one not
+    assert answer == {"type": "feature_flags", "data": {"supports_preview_metadata": False,
+                                                        "max_upload_size": 12345}}
+    assert answer["data"] == request("GET", f"{url}/features").json()
+    assert asyncio.run(replies({"type": "something else"}, flags, 0)) == []
 
 
 def test_sluice_memory_snapshots_go_to_clients_that_ask(start_server):

@@ -14,7 +14,7 @@ from PIL import Image
 from serve_client import image_prompt, queue_and_follow, request
 
 from app.cli import build_parser, main
-from app.server.server import listen_problem
+from app.server.server import WS_MAX_MESSAGE, listen_problem
 
 ROUTES = [("GET", "/prompt"), ("POST", "/prompt"), ("GET", "/queue"), ("POST", "/queue"),
           ("POST", "/interrupt"), ("GET", "/history"), ("GET", "/history/x"), ("POST", "/history"),
@@ -55,6 +55,7 @@ def assert_refused(reply, status):
     assert reply.status == status, reply.body
     message = reply.json()["error"]["message"]
     assert message and "Traceback" not in message
+    return message
 
 
 # -- where it listens --
@@ -119,10 +120,53 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
     host = url.removeprefix("http://")
     assert request("GET", f"{url}/queue", headers={"Origin": f"http://{host}"}).status == 200
 
+    async def websocket(origin):
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(f"{url}/ws?clientId=page", headers={"Origin": origin}) as ws:
+                    return json.loads((await ws.receive()).data)["type"]
+            except aiohttp.WSServerHandshakeError as error:
+                return error.status
+
+    assert asyncio.run(websocket("http://evil.example")) == 403
+    assert asyncio.run(websocket(f"http://{host}")) == "status"
+
+
+def test_a_loopback_server_without_a_token_answers_loopback_host_names_only(start_server):
+    """A page whose DNS name was rebound to 127.0.0.1 sends its own name as Host and Origin: refused."""
+    url, _ = start_server()
+    port = url.rsplit(":", 1)[1]
+    rebound = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    reply = request("POST", f"{url}/prompt", json={"prompt": image_prompt()}, headers=rebound)
+    assert_refused(reply, 403)
+    assert reply.json()["error"]["type"] == "forbidden_host" and "evil.example" in reply.json()["error"][
+        "message"]
+
+    async def websocket():
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.ws_connect(f"{url}/ws?clientId=rebound", headers=rebound):
+                    return 101
+            except aiohttp.WSServerHandshakeError as error:
+                return error.status
+
+    assert asyncio.run(websocket()) == 403
+    for host in ("127.0.0.1", "localhost", "app.localhost", "[::1]"):
+        assert request("GET", f"{url}/queue", headers={"Host": f"{host}:{port}"}).status == 200, host
+    assert request("GET", f"{url}/history").json() == {}  # nothing was queued
+
+
+def test_with_a_token_other_host_names_are_answered(start_server):
+    url, _ = start_server(auth_token="s3cret")
+    port = url.rsplit(":", 1)[1]
+    headers = {"Host": f"gpu-box.lan:{port}", "Authorization": "Bearer s3cret"}
+    assert request("GET", f"{url}/queue", headers=headers).status == 200
+
 
 # -- /view stays inside its folders --
 
 @pytest.mark.parametrize("params, status", [
+    ({"filename": ""}, 400),
     ({"filename": "../secret.txt"}, 400),
     ({"filename": "/etc/hostname"}, 400),
     ({"filename": "..\\secret.txt"}, 400),
@@ -131,6 +175,9 @@ def test_without_a_token_a_foreign_web_page_is_refused(start_server):
     ({"filename": "hostname", "subfolder": "/etc"}, 403),
     ({"filename": "x.png", "subfolder": "a\x00b"}, 400),
     ({"filename": "x.png", "type": "models"}, 400),
+    ({"filename": "a" * 300 + ".png"}, 400),
+    ({"filename": "x.png", "subfolder": "x/" * 3000}, 400),
+    ({"filename": "x.png", "subfolder": "b" * 300}, 400),
 ])
 def test_view_refuses_paths_out_of_its_folders(start_server, serve_settings, params, status):
     url, _ = start_server()
@@ -149,6 +196,8 @@ def test_view_refuses_symbolic_links_out_of_the_folder(start_server, serve_setti
     assert_refused(request("GET", f"{url}/view", params={"filename": "link.png"}), 403)
     linked = {"filename": "secret.png", "subfolder": "linked"}
     assert_refused(request("GET", f"{url}/view", params=linked), 403)
+    os.symlink(serve_settings.output_dir / "loop.png", serve_settings.output_dir / "loop.png")
+    assert_refused(request("GET", f"{url}/view", params={"filename": "loop.png"}), 404)  # no file to read
 
 
 def test_prompts_cannot_load_images_from_outside_the_input_folder(start_server, tmp_path):
@@ -179,6 +228,8 @@ def test_prompts_cannot_load_images_from_outside_the_input_folder(start_server, 
     ("fine.png", {"subfolder": "../.."}, 403),
     ("fine.png", {"subfolder": "/tmp"}, 403),
     ("fine.png", {"type": "models"}, 400),
+    ("a" * 300 + ".png", {}, 400),
+    ("fine.png", {"subfolder": "x/" * 2000}, 400),
 ])
 def test_upload_refuses_names_out_of_its_folder(start_server, serve_settings, name, fields, status):
     url, _ = start_server()
@@ -201,6 +252,19 @@ def test_upload_refuses_a_subfolder_that_links_out(start_server, serve_settings,
     os.symlink(outside, input_folder / "linked")
     assert_refused(upload(url, "x.png", png_bytes(), subfolder="linked"), 403)
     assert list(outside.iterdir()) == []
+
+
+def test_upload_into_a_subfolder_that_is_a_file_or_a_loop_is_400(start_server, serve_settings):
+    url, _ = start_server()
+    assert upload(url, "pic.png", png_bytes()).status == 200
+    for subfolder in ("pic.png", "pic.png/deeper"):
+        message = assert_refused(upload(url, "x.png", png_bytes(), subfolder=subfolder), 400)
+        assert message.startswith(f"file 'x.png' in subfolder {subfolder!r} cannot be used: ")
+    input_folder = serve_settings.output_dir.parent / "input"
+    os.symlink(input_folder / "loop", input_folder / "loop")
+    message = assert_refused(upload(url, "x.png", png_bytes(), subfolder="loop"), 400)
+    assert message.startswith("file 'x.png' in subfolder 'loop' cannot be used: ")
+    assert sorted(path.name for path in input_folder.iterdir()) == ["loop", "pic.png"]
 
 
 def test_uploads_never_overwrite_outside_the_input_folder(start_server, serve_settings):
@@ -226,6 +290,8 @@ def test_overwrite_is_honoured_in_the_input_folder_only_and_replaces_links_not_t
     target = tmp_path / "target.png"
     target.write_bytes(b"keep me")
     os.symlink(target, input_folder / "link.png")
+    assert upload(url, "link.png", png_bytes()).json()["name"] == "link (1).png"  # no overwrite: a new name
+    assert target.read_bytes() == b"keep me" and (input_folder / "link.png").is_symlink()
     assert upload(url, "link.png", png_bytes(), overwrite="true").status == 200
     assert target.read_bytes() == b"keep me" and not (input_folder / "link.png").is_symlink()
 
@@ -255,6 +321,26 @@ def test_uploads_over_the_limit_are_refused(start_server, serve_settings):
     assert not (serve_settings.output_dir.parent / "input" / "big.png").exists()
 
 
+def test_websocket_messages_over_the_limit_close_that_socket_only(start_server):
+    url, _ = start_server()
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=big") as ws:
+                assert json.loads((await ws.receive()).data)["type"] == "status"
+                await ws.send_str("x" * (WS_MAX_MESSAGE + 1))
+                while (message := await ws.receive()).type == aiohttp.WSMsgType.TEXT:
+                    pass
+                return message.type, ws.close_code
+
+    kind, code = asyncio.run(scenario())
+    assert kind in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING)
+    assert code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG
+    assert request("GET", f"{url}/prompt").status == 200
+    _, followed = asyncio.run(queue_and_follow(url, image_prompt(), client_id="big"))
+    assert "execution_success" in followed.types()
+
+
 # -- malformed bodies --
 
 @pytest.mark.parametrize("path, body", [
@@ -274,6 +360,8 @@ def test_uploads_over_the_limit_are_refused(start_server, serve_settings):
     ("/prompt", json.dumps({"prompt": image_prompt(), "prompt_id": "x" * 500}).encode()),
     ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": []}).encode()),
     ("/prompt", json.dumps({"prompt": image_prompt(), "partial_execution_targets": "2"}).encode()),
+    ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": {"preview_method": ["auto"]}}).encode()),
+    ("/prompt", json.dumps({"prompt": image_prompt(), "extra_data": {"preview_method": "up"}}).encode()),
     ("/queue", json.dumps({"delete": "abc"}).encode()),
     ("/queue", json.dumps({"clear": "yes"}).encode()),
     ("/history", json.dumps({"delete": [1, 2]}).encode()),
