@@ -1,10 +1,14 @@
 """The driver's side: Ray workers (one actor per GPU, or per CPU core) and one queue of jobs over them.
 
-Placement: each worker is taken to hold the models of the last job given to it (its executor caches that
-job's loaders). A job goes to the least loaded worker, and among equally loaded ones to one whose held
-models include the job's (the loaders' cache signatures): an idle worker that holds them first, else any
-idle one, else a busy one with room. A worker has room while it has fewer than `depth` jobs given to it (a
-second one waits in the actor, so the worker does not idle between jobs).
+Placement: a job goes only to a worker whose budget its models fit (each worker's --max-vram on the device
+it computes them on, against their size from the files' headers: SluiceWorker.model_fit, asked once per
+worker and set of models), unless none of the workers left fits them; then to any. Among those, it goes to
+the least loaded worker, and among equally loaded ones to one whose held models include the job's (the
+loaders' cache signatures): an idle worker that holds them first, else any idle one, else a busy one with
+room. Each worker is taken to hold the models of the last job given to it (its executor caches that job's
+loaders). A worker has room while it has fewer than `depth` jobs given to it (a second one waits in the
+actor, so the worker does not idle between jobs). A job that must wait for a worker its models fit lets the
+jobs behind it that can start now go first.
 
 Faults: a worker that dies (killed, out of memory, its host gone: RayActorError) is dropped and each of its
 jobs goes back to the front of the queue, at most `retries` times per job; after that the job fails with the
@@ -19,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cluster import ClusterError, require_ray
-from engine.cluster.worker import SluiceWorker, WorkerResult
+from engine.cluster.worker import ModelFit, SluiceWorker, WorkerResult
 
-MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has a thread more, for interrupt)
+MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has 2 threads more: interrupt, fit)
 
 
 @dataclass
@@ -64,7 +68,7 @@ def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: floa
         raise ClusterError(f"{gpus} GPUs per worker: expected 0 (a CPU worker), a fraction of one, or a "
                            f"whole number")
     resources = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
-    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 1, **resources)  # + 1: interrupt
+    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 2, **resources)
     return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
 
 
@@ -81,6 +85,7 @@ class _Worker:
     running: dict[Any, Job] = field(default_factory=dict)  # object ref -> job
     held: frozenset[str] = frozenset()
     done: int = 0
+    fits: dict[frozenset[str], bool] = field(default_factory=dict)  # model keys -> fit its budget?
 
 
 class Scheduler:
@@ -124,16 +129,40 @@ class Scheduler:
             worker.handle.interrupt.remote()
 
     def _assign(self, pending: deque[Job]) -> None:
-        while pending and not self._stopping:
-            job = pending[0]
+        waiting: set[frozenset[str]] = set()  # models whose jobs wait for a worker they fit
+        index = 0
+        while index < len(pending) and not self._stopping:
             free = [worker for worker in self.workers if len(worker.running) < self.depth]
             if not free:
                 return
-            worker = min(free, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
+            job = pending[index]
+            fitting = {id(worker) for worker in self._able(job)} if job.model_keys not in waiting else set()
+            able = [worker for worker in free if id(worker) in fitting]
+            if not able:
+                waiting.add(job.model_keys)
+                index += 1
+                continue
+            worker = min(able, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
                 len(w.running), not (keys and keys <= w.held), w.done))
-            pending.popleft()
+            del pending[index]
             worker.running[worker.handle.run.remote(job.document)] = job
             worker.held = job.model_keys
+
+    def _able(self, job: Job) -> list[_Worker]:
+        """The workers whose budget the job's models fit; every worker when none of them does."""
+        if not job.model_keys:
+            return self.workers
+        ray = require_ray()
+        asked = [(worker, worker.handle.model_fit.remote(job.document))
+                 for worker in self.workers if job.model_keys not in worker.fits]
+        for worker, ref in asked:
+            try:
+                fit: ModelFit = ray.get(ref)
+                worker.fits[job.model_keys] = fit.fits
+            except ray.exceptions.RayError:  # a dead worker fits nothing (its running jobs will say it died)
+                worker.fits[job.model_keys] = False
+        fitting = [worker for worker in self.workers if worker.fits[job.model_keys]]
+        return fitting or self.workers
 
     def _collect(self, ref: Any, pending: deque[Job], ray: Any) -> Iterator[Outcome]:
         worker = next(worker for worker in self.workers if ref in worker.running)

@@ -4,6 +4,11 @@ flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each w
 
 A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
 reads the files back, deletes them and returns their names and bytes, which the driver writes locally.
+
+`model_fit(document)` says, from the model files' headers alone (auto-fit's estimate in engine/memory/
+autofit.py), whether each of the job's models fits the --max-vram budget of the device this worker computes it
+on, at the size this worker would hold it (that device's dtype, its --type): the scheduler gives a job to a
+worker it fits when there is one.
 The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
 """
 
@@ -42,6 +47,19 @@ def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> A
     return settings_from_namespace(argparse.Namespace(**flags), MemorySettings.from_dict(workflow_memory))
 
 
+@dataclass(frozen=True)
+class ModelFit:
+    """The job's model that is most over its budget, else its largest (one loader's module)."""
+
+    size: int = 0  # bytes, as this worker would hold it
+    budget: int | None = None  # the --max-vram bytes of the device it computes on; None: no managed budget
+    model: str = ""  # which: "NODE_ID/module"
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.size <= self.budget
+
+
 class SluiceWorker:
     """One worker: `run(document_json)` runs a job; `interrupt()` stops the running one and those waiting
     (call it from another thread: the actor has more threads than the jobs given to it at once, and a lock
@@ -69,6 +87,49 @@ class SluiceWorker:
 
     def ping(self) -> str:
         return self.name
+
+    def model_fit(self, document: str) -> ModelFit:
+        """The job's largest model against this worker's budget, from file headers (nothing loads). A loader
+        whose file cannot be read is left out: the run reports it."""
+        from engine.devices import list_devices, resolve_device
+        from engine.graph.document import Workflow
+        from engine.memory.autofit import TYPED_COMPONENTS, component_needs
+        from engine.memory.ledger import resolve_budget
+        from engine.placement import max_vram_for, resolve_node_placement
+        from engine.quant.loading import WeightTypes
+
+        workflow = Workflow.loads(document)
+        memory = dict(workflow.settings.get("memory", {}))
+        settings = memory_settings(self.flags, memory)
+        types = (WeightTypes(settings.weight_type.upper() or None, settings.tensor_type_rules)
+                 if settings.weight_type or settings.tensor_type_rules else None)
+        devices = list_devices()
+        models = []
+        for node_id, node in workflow.nodes.items():
+            node_type = self.lookup(node.type)
+            files = getattr(node_type, "memory_files", None)
+            if node.mode != "normal" or files is None or not getattr(node_type, "memory_module", None):
+                continue
+            widgets = {**node_type.default_widget_values(), **node.widgets}
+            try:
+                for module, paths in files(self.settings, widgets).items():
+                    placed = resolve_node_placement(module, memory, str(widgets.get("backend", "auto")),
+                                                    str(widgets.get("params_backend", "auto")), self.flags,
+                                                    devices)
+                    device = resolve_device(placed.compute[0], devices)
+                    typed = types if module in TYPED_COMPONENTS else None
+                    needs = [need for path in paths for need in component_needs(
+                        path, {module: device.name}, node_id, types=typed,
+                        ladder=settings.chooses_weight_types, devices=devices)]
+                    if needs:  # the smallest weight types the ladder may take, else the types given
+                        size = sum(min([need.weight_bytes, *(v.weight_bytes for v in need.variants)])
+                                   for need in needs)
+                        budget = resolve_budget(max_vram_for(device, settings.max_vram, devices), device)
+                        models.append(ModelFit(size, budget, f"{node_id}/{module}"))
+            except (OSError, ValueError):  # a missing or unreadable file, a bad placement: the run says so
+                continue
+        over = [model for model in models if not model.fits]
+        return max(over or models, key=lambda model: model.size, default=ModelFit())
 
     def interrupt(self) -> None:
         """Stop the running job, and the jobs already given that wait for it."""

@@ -166,6 +166,30 @@ def test_a_worker_killed_halfway_loses_no_image(cluster, alone, sweeps, tmp_path
     _check_output(tmp_path / "out", alone, sweeps, "killed-worker")
 
 
+def test_jobs_go_to_the_worker_whose_budget_their_models_fit(cluster, tmp_path: Path) -> None:
+    small = start_workers(1, default_registry, memory_flags={"max_vram": "cpu=0.01"})[0]  # under the UNet
+    large = start_workers(1, default_registry, memory_flags={"max_vram": "cpu=1"})[0]
+    try:
+        document = _document(FIRST_SEED)
+        fits = ray.get([small.model_fit.remote(document), large.model_fit.remote(document)])
+        assert [fit.fits for fit in fits] == [False, True] and fits[0].model == "1/diffusion"
+        assert fits[0].size == fits[1].size > fits[0].budget  # the same CPU dtype on both
+        workflow = Workflow.loads(document)
+        workflow.nodes[SAMPLER].widgets["steps"] = 2
+        workflow.nodes["5"].widgets.update(width=64, height=64)
+        keys = model_keys(workflow, default_registry(load_settings()).get)
+        jobs = []
+        for index in range(4):
+            workflow.nodes[SAMPLER].widgets["seed"] = index
+            jobs.append(Job(index, workflow.dumps(), model_keys=keys))
+        outcomes = list(Scheduler([small, large], depth=1).run(jobs))
+        assert [o.status for o in outcomes] == ["finished"] * 4, [o.message for o in outcomes]
+        assert {o.worker for o in outcomes} == {ray.get(large.ping.remote())}  # the small one stayed idle
+    finally:
+        for handle in (small, large):
+            ray.kill(handle, no_restart=True)
+
+
 def test_an_interrupt_stops_the_jobs_waiting_for_the_running_one(local_worker) -> None:
     finished = []
     with local_worker._run_lock:  # a job is running
