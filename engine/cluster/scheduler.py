@@ -44,6 +44,8 @@ class Outcome:
     images: list[tuple[str, bytes]] = field(default_factory=list)
     message: str = ""
     worker: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)  # the worker's (WorkerResult.events)
+    failure: dict[str, str] | None = None  # the failed node's (WorkerResult.failure)
 
 
 def model_keys(workflow: Any, lookup: Callable[[str], Any], settings: Any = None) -> frozenset[str]:
@@ -100,33 +102,68 @@ class Scheduler:
         self.depth = depth
         self.deaths: list[str] = []  # why each dropped worker died
         self._stopping = False
+        self._pending: deque[Job] = deque()
+        self._dropped: list[Outcome] = []  # jobs interrupted while they waited, for the next step
 
     def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
         """Run every job; yields each outcome as it arrives (not in grid order)."""
+        self._pending.extend(jobs)
+        while self.busy():
+            yield from self.step()
+
+    def add(self, job: Job) -> None:
+        """Queue one more job (a server's prompt); `step` starts it."""
+        self._pending.append(job)
+
+    def busy(self) -> bool:
+        """Whether a job waits or runs."""
+        return bool(self._pending or self._dropped) or any(worker.running for worker in self.workers)
+
+    def has_room(self) -> bool:
+        """Whether a job added now could start at once: none waits and a worker has room."""
+        return not self._pending and any(len(worker.running) < self.depth for worker in self.workers)
+
+    def step(self, timeout: float = 1.0) -> list[Outcome]:
+        """Start the jobs that can start, then wait at most `timeout` s for one to end (a timeout lets Ctrl+C
+        be handled); returns the outcomes that came (none when nothing ended in time)."""
         ray = require_ray()
-        pending: deque[Job] = deque(jobs)
-        while pending or any(worker.running for worker in self.workers):
-            if self._stopping:
-                yield from (Outcome(job, "interrupted", message="interrupted before it started")
-                            for job in pending)
-                pending.clear()
-            if not self.workers:
-                reason = "; ".join(self.deaths) or "no workers"
-                yield from (Outcome(job, "lost", message=f"no worker left: {reason}") for job in pending)
-                return
-            self._assign(pending)
-            refs = [ref for worker in self.workers for ref in worker.running]
-            if not refs:
-                continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)  # a timeout lets Ctrl+C be handled
+        outcomes, self._dropped = self._dropped, []
+        if self._stopping:
+            outcomes += [Outcome(job, "interrupted", message="interrupted before it started")
+                         for job in self._pending]
+            self._pending.clear()
+        if not self.workers:
+            reason = "; ".join(self.deaths) or "no workers"
+            outcomes += [Outcome(job, "lost", message=f"no worker left: {reason}") for job in self._pending]
+            self._pending.clear()
+            return outcomes
+        self._assign(self._pending)
+        refs = [ref for worker in self.workers for ref in worker.running]
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
             if ready:
-                yield from self._collect(ready[0], pending, ray)
+                outcomes += self._collect(ready[0], self._pending, ray)
+        return outcomes
 
     def interrupt(self) -> None:
         """Stop: no new job starts, and every worker interrupts its running one."""
         self._stopping = True
         for worker in self.workers:
             worker.handle.interrupt.remote()
+
+    def interrupt_job(self, index: int | None = None) -> bool:
+        """Interrupt job `index` (every running job when None) and keep running the others; a job that waits
+        to start is dropped (interrupted at the next step). With a depth over 1, the jobs given to the same
+        worker are interrupted too. False when no such job waits or runs."""
+        waiting = [job for job in self._pending if job.index == index]
+        for job in waiting:
+            self._pending.remove(job)
+            self._dropped.append(Outcome(job, "interrupted", message="interrupted before it started"))
+        hit = [worker for worker in self.workers if worker.running and (
+            index is None or any(job.index == index for job in worker.running.values()))]
+        for worker in hit:
+            worker.handle.interrupt.remote()
+        return bool(waiting or hit)
 
     def _assign(self, pending: deque[Job]) -> None:
         waiting: set[frozenset[str]] = set()  # models whose jobs wait for a worker they fit
@@ -187,7 +224,8 @@ class Scheduler:
             yield Outcome(job, "failed", message=_first_line(error))
             return
         worker.done += 1
-        yield Outcome(job, result.status, result.images, result.message, result.worker)
+        yield Outcome(job, result.status, result.images, result.message, result.worker, result.events,
+                      result.failure)
 
 
 def _first_line(error: BaseException) -> str:

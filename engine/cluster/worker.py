@@ -15,6 +15,7 @@ The class is plain Python (tests run it in-process); scheduler.py makes it an ac
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import socket
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 SAVED_EVENT = "image_saved"  # what SaveImage publishes on the telemetry bus, with path=...
+REPORTED_EVENTS = ("job_started", "node_started", "node_cached", "node_finished", "job_interrupted")
 
 
 @dataclass
@@ -37,6 +39,10 @@ class WorkerResult:
     message: str = ""  # why, when not finished
     seconds: float = 0.0
     worker: str = ""  # host:pid of the worker
+    # what the job did, in order: {"kind": one of REPORTED_EVENTS or SAVED_EVENT, "node_id": ...}, with
+    # "cached" (node ids) for job_started and "name" (one of `images`) for image_saved
+    events: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, str] | None = None  # node_id, node_type, exception_type, message, traceback
 
 
 def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> Any:
@@ -147,10 +153,16 @@ class SluiceWorker:
                 return WorkerResult("interrupted", message="interrupted before it started", worker=self.name)
             started = time.perf_counter()
             saved: list[str] = []
+            events: list[dict[str, Any]] = []
 
             def collect(event: Any) -> None:
                 if event.kind == SAVED_EVENT and event.get("path") is not None:
                     saved.append(str(event.get("path")))
+                    events.append({"kind": SAVED_EVENT, "node_id": event.get("node_id"), "path": saved[-1]})
+                elif event.kind in REPORTED_EVENTS:
+                    events.append({"kind": event.kind, "node_id": event.get("node_id"),
+                                   **({"cached": list(event.get("cached", []))} if event.kind == "job_started"
+                                      else {})})
 
             unsubscribe = telemetry.bus.subscribe(collect)
             try:
@@ -169,8 +181,20 @@ class SluiceWorker:
             finally:
                 unsubscribe()
                 images = self._take(saved)
+                for event in events:
+                    if event["kind"] == SAVED_EVENT:
+                        event["name"] = Path(event.pop("path")).relative_to(self._folder).as_posix()
+            failure = None if result.failure is None else {
+                name: str(getattr(result.failure, name))
+                for name in ("node_id", "node_type", "exception_type", "message", "traceback")}
             return WorkerResult(result.status, images, _reason(result), time.perf_counter() - started,
-                                self.name)
+                                self.name, events, failure)
+
+    def free(self) -> None:
+        """POST /free: drop the cached results and the models they hold (after the running job)."""
+        with self._run_lock:
+            self.executor.clear_cache()
+            gc.collect()
 
     def close(self) -> None:
         shutil.rmtree(self._folder, ignore_errors=True)

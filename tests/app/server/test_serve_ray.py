@@ -1,0 +1,115 @@
+"""`sluice serve --ray`: the server's prompts run on two local Ray CPU workers (app/server/ray_backend.py)
+behind the same API: two prompts queued at once both finish with ComfyUI's messages in order, /history holds
+both and /view serves their images; an interrupt reaches the worker; without Ray, --ray says how to install
+it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+
+import numpy as np
+import pytest
+from PIL import Image
+from serve_client import default_prompt, queue_and_follow, request
+
+from app.cli import main
+from app.server.server import BackgroundServer, ServerOptions, SluiceServer
+from engine.cluster.worker import SluiceWorker
+from engine.graph.comfy import from_comfy_api
+from nodes.registry import default_registry
+
+SIDE = 64
+
+
+@pytest.fixture(scope="module")
+def workers():
+    ray = pytest.importorskip("ray")
+    from engine.cluster.scheduler import start_workers
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    handles = start_workers(2, default_registry)
+    yield handles
+    for handle in handles:
+        ray.kill(handle, no_restart=True)
+    ray.shutdown()
+
+
+@pytest.fixture
+def ray_server(serve_settings, serve_registry, workers):
+    from app.server.ray_backend import RayEngine
+
+    def engine(server: SluiceServer) -> RayEngine:
+        return RayEngine(server.queue, server, serve_settings, serve_registry.get, workers)
+
+    server = SluiceServer(serve_settings, serve_registry, ServerOptions(), engine)
+    with BackgroundServer(server) as url:
+        yield url, server
+
+
+def _prompt(lookup, seed: int, steps: int = 2) -> dict:
+    prompt = default_prompt(lookup, seed=seed, steps=steps)
+    latent = next(node for node in prompt.values() if node["class_type"] == "EmptyLatentImage")
+    latent["inputs"].update(width=SIDE, height=SIDE)
+    return prompt
+
+
+async def _two(url: str, prompts: list[dict]) -> list:
+    return await asyncio.gather(*(queue_and_follow(url, prompt, client_id=f"client-{index}")
+                                  for index, prompt in enumerate(prompts)))
+
+
+def test_two_prompts_run_on_the_ray_workers_behind_the_same_api(ray_server, serve_registry,
+                                                                one_torch_thread) -> None:
+    url, server = ray_server
+    prompts = [_prompt(serve_registry.get, seed) for seed in (11, 12)]
+    followed = asyncio.run(_two(url, prompts))
+    history = request("GET", f"{url}/history").json()
+    local = SluiceWorker(default_registry)  # each prompt run alone, in this process
+    try:
+        for (prompt_id, messages), prompt in zip(followed, prompts, strict=True):
+            types = [kind for kind in messages.types() if kind != "status"]
+            assert types[:2] == ["execution_start", "execution_cached"] and types[-2:] == [
+                "execution_success", "executing"], types
+            ran = [data["node"] for data in messages.of("executing") if data["node"] is not None]
+            assert ran and "8" in ran  # the nodes that ran, SaveImage among them
+            (executed,) = messages.of("executed")
+            (ref,) = executed["output"]["images"]
+            assert history[prompt_id]["outputs"] == {executed["node"]: executed["output"]}
+            assert history[prompt_id]["status"]["status_str"] == "success"
+            view = request("GET", f"{url}/view", params=ref)
+            assert view.status == 200
+            with Image.open(io.BytesIO(view.body)) as image:
+                served = np.asarray(image.convert("RGB"))
+            alone = local.run(from_comfy_api(prompt, serve_registry.get)[0].dumps())
+            with Image.open(io.BytesIO(alone.images[0][1])) as image:
+                assert np.array_equal(served, np.asarray(image.convert("RGB")))
+    finally:
+        local.close()
+    assert len({ref["filename"] for _, m in followed for ref in m.of("executed")[0]["output"]["images"]}) == 2
+    assert request("GET", f"{url}/queue").json() == {"queue_running": [], "queue_pending": []}
+    assert server.executor is None and sum(worker.done for worker in server.engine.scheduler.workers) == 2
+
+
+def test_an_interrupt_reaches_the_worker_running_the_prompt(ray_server, serve_registry) -> None:
+    url, server = ray_server
+
+    async def interrupted() -> tuple[str, object]:
+        task = asyncio.create_task(queue_and_follow(url, _prompt(serve_registry.get, 3, steps=10000)))
+        while not server.queue.running():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)  # the worker has started sampling
+        await asyncio.get_running_loop().run_in_executor(None, lambda: request("POST", f"{url}/interrupt"))
+        return await task
+
+    prompt_id, messages = asyncio.run(interrupted())
+    (stopped,) = messages.of("execution_interrupted")
+    assert stopped["node_type"] == "KSampler"
+    assert request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]["status"]["status_str"] == "error"
+
+
+def test_serve_ray_without_ray_says_how_to_install_it(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray raises ImportError
+    assert main(["serve", "--ray", "auto", "--port", "0"]) == 2
+    assert "pip install 'sluice[cluster]'" in capsys.readouterr().err
