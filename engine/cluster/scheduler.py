@@ -120,8 +120,10 @@ class Scheduler:
         return bool(self._pending or self._dropped) or any(worker.running for worker in self.workers)
 
     def has_room(self) -> bool:
-        """Whether a job added now could start at once: none waits and a worker has room."""
-        return not self._pending and any(len(worker.running) < self.depth for worker in self.workers)
+        """Whether a job added now would start at once (none waits and a worker has room), or be lost at once
+        (no worker is left)."""
+        return not self._pending and (not self.workers or any(len(worker.running) < self.depth
+                                                              for worker in self.workers))
 
     def step(self, timeout: float = 1.0) -> list[Outcome]:
         """Start the jobs that can start, then wait at most `timeout` s for one to end (a timeout lets Ctrl+C

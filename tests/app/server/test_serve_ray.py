@@ -6,6 +6,7 @@ it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import sys
 
@@ -28,7 +29,7 @@ def workers():
     ray = pytest.importorskip("ray")
     from engine.cluster.scheduler import start_workers
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)  # 1 spare
     handles = start_workers(2, default_registry)
     yield handles
     for handle in handles:
@@ -36,16 +37,22 @@ def workers():
     ray.shutdown()
 
 
-@pytest.fixture
-def ray_server(serve_settings, serve_registry, workers):
+@contextlib.contextmanager
+def _serving(settings, registry, handles):
     from app.server.ray_backend import RayEngine
 
     def engine(server: SluiceServer) -> RayEngine:
-        return RayEngine(server.queue, server, serve_settings, serve_registry.get, workers)
+        return RayEngine(server.queue, server, settings, registry.get, handles)
 
-    server = SluiceServer(serve_settings, serve_registry, ServerOptions(), engine)
+    server = SluiceServer(settings, registry, ServerOptions(), engine)
     with BackgroundServer(server) as url:
         yield url, server
+
+
+@pytest.fixture
+def ray_server(serve_settings, serve_registry, workers):
+    with _serving(serve_settings, serve_registry, workers) as served:
+        yield served
 
 
 def _prompt(lookup, seed: int, steps: int = 2) -> dict:
@@ -107,6 +114,27 @@ def test_an_interrupt_reaches_the_worker_running_the_prompt(ray_server, serve_re
     (stopped,) = messages.of("execution_interrupted")
     assert stopped["node_type"] == "KSampler"
     assert request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]["status"]["status_str"] == "error"
+
+
+def test_a_prompt_whose_worker_dies_runs_on_another_or_fails_when_none_is_left(
+        serve_settings, serve_registry, workers) -> None:
+    import ray
+
+    from engine.cluster.scheduler import start_workers
+
+    victim = start_workers(1, default_registry)[0]
+    with _serving(serve_settings, serve_registry, [victim, workers[0]]) as (url, server):
+        asyncio.run(queue_and_follow(url, _prompt(serve_registry.get, 5)))  # the first idle worker: victim
+        ray.kill(victim, no_restart=True)  # the next prompt goes to victim again, which holds its models
+        prompt_id, messages = asyncio.run(queue_and_follow(url, _prompt(serve_registry.get, 6)))
+        assert messages.of("execution_success") and len(server.engine.scheduler.deaths) == 1
+        assert request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]["outputs"]
+    with _serving(serve_settings, serve_registry, [victim]) as (url, server):  # only the dead one
+        prompt_id, messages = asyncio.run(queue_and_follow(url, _prompt(serve_registry.get, 5)))
+        (error,) = messages.of("execution_error")
+        assert error["exception_type"] == "WorkerLost" and "died" in error["exception_message"]
+        entry = request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]
+        assert entry["status"]["status_str"] == "error"
 
 
 def test_serve_ray_without_ray_says_how_to_install_it(monkeypatch, capsys) -> None:
