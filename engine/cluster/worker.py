@@ -3,13 +3,14 @@ stay loaded between jobs (the executor's cache keeps the last job's loaders), an
 flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
 
 A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
-reads the files back, deletes them and returns their names and bytes, which the driver writes locally.
+reads the files back, deletes them and returns their names and bytes, which the driver writes locally, with
+what the job did (each node's start, cache hit and end, the failure), which a server turns into ComfyUI's
+messages. The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
 
 `model_fit(document)` says, from the model files' headers alone (auto-fit's estimate in engine/memory/
 autofit.py), whether each of the job's models fits the --max-vram budget of the device this worker computes it
 on, at the size this worker would hold it (that device's dtype, its --type): the scheduler gives a job to a
 worker it fits when there is one.
-The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
 """
 
 from __future__ import annotations
@@ -95,8 +96,8 @@ class SluiceWorker:
         return self.name
 
     def model_fit(self, document: str) -> ModelFit:
-        """The job's largest model against this worker's budget, from file headers (nothing loads). A loader
-        whose file cannot be read is left out: the run reports it."""
+        """The job's model most over this worker's budget, else its largest, from file headers (nothing
+        loads). A loader whose file cannot be read is left out: the run reports it."""
         from engine.devices import list_devices, resolve_device
         from engine.graph.document import Workflow
         from engine.memory.autofit import TYPED_COMPONENTS, component_needs
