@@ -136,6 +136,21 @@ def test_a_job_that_fails_in_ray_fails_once(fake_ray: FakeRay) -> None:
     assert "RayTaskError" in outcomes[0].message and a.ran == ["j1"]
 
 
+def test_jobs_added_one_at_a_time_and_one_interrupted_while_it_waits(fake_ray: FakeRay) -> None:
+    a = FakeWorker("a")
+    scheduler = Scheduler([a], depth=1)
+    assert scheduler.has_room() and not scheduler.busy()
+    scheduler.add(Job(0, "j0"))
+    scheduler.add(Job(1, "j1"))
+    assert not scheduler.has_room() and scheduler.busy()
+    assert scheduler.interrupt_job(1) and not scheduler.interrupt_job(7)
+    outcomes = []
+    while scheduler.busy():
+        outcomes += scheduler.step()
+    assert sorted((o.job.index, o.status) for o in outcomes) == [(0, "finished"), (1, "interrupted")]
+    assert a.ran == ["j0"] and scheduler.has_room()
+
+
 def test_sweeps_and_their_grid(tmp_path: Path) -> None:
     (tmp_path / "prompts.txt").write_text("a fox\n\na cat = 2, grey\n", encoding="utf-8")
     seeds, prompts = parse_sweep("6.seed=1..3"), parse_sweep("3.text=@prompts.txt", tmp_path)
