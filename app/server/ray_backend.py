@@ -3,14 +3,15 @@ engine thread; the routes, the queue and the history are the same.
 
 RayEngine, one thread, takes a prompt from the queue whenever a worker is free (each worker runs one prompt at
 a time, so the queue's running prompts are those on workers), gives it to the cluster's Scheduler (placement
-by model and budget, retries when a worker dies) and turns its outcome into ComfyUI's messages. A worker
-reports a prompt when it ends, so the messages come in ComfyUI's order but not live: execution_start when a
-worker is given the prompt; when it ends, execution_cached, executing for each node that ran, executed for
-each node that saved images (written first into the server's output folder, under a fresh name, so /view
-serves them), then execution_success, execution_error or execution_interrupted, the history entry, the
-queue's status and executing with node null. No progress messages or preview frames come from workers, and
-PreviewImage's images stay on them. POST /free clears every worker's cache; POST /interrupt reaches the
-worker that runs the prompt.
+by model and budget, retries when a worker dies) and turns what the worker reports into ComfyUI's messages,
+in ComfyUI's order: execution_start when a worker is given the prompt; while it runs (the worker is asked
+every POLL seconds), execution_cached, executing for each node it starts and progress (the latest step of
+the node running); then, when the prompt ends, the rest: executed for each node that saved images (written
+first into the server's output folder, under a fresh name, so /view serves them) and what followed it, then
+execution_success, execution_error or execution_interrupted, the history entry, the queue's status and
+executing with node null. A prompt whose worker died starts its messages again on the next worker. No
+preview frames come from workers, and PreviewImage's images stay on them. POST /free clears every worker's
+cache; POST /interrupt reaches the worker that runs the prompt.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from typing import Any
 
 from app.server.engine_thread import MessageSink, image_ref
 from app.server.queue import PromptQueue, QueueItem
+from engine.cluster import require_ray
 from engine.cluster.output import write_image
 from engine.cluster.scheduler import Job, Outcome, Scheduler, model_keys
+from engine.cluster.worker import SAVED_EVENT
 from engine.settings import Settings
+
+POLL = 0.1  # seconds between asking the workers what their prompts did
 
 
 @dataclass
@@ -36,6 +41,12 @@ class _Prompt:
     messages: list[list[Any]] = field(default_factory=list)  # [event, data] for the history's status
     outputs: dict[str, dict[str, Any]] = field(default_factory=dict)  # node id -> ComfyUI's ui output
     executed: list[str] = field(default_factory=list)
+    attempt: int = 0  # the job's attempts when its messages were last sent (a death starts them again)
+    sent: int = 0  # the worker's events already sent while it ran
+    live: bool = True  # until an image is saved: its bytes come at the end, the events after it too
+    node: str | None = None  # the node running
+    progress: dict[str, Any] | None = None  # the last progress sent
+    poll: Any = None  # the report asked of the worker and not yet answered
 
 
 class RayEngine(threading.Thread):
@@ -66,13 +77,13 @@ class RayEngine(threading.Thread):
         return True
 
     def executing(self) -> tuple[str | None, str | None, str | None]:
-        """(client id, prompt id, None) of the prompt given to a worker last: a worker does not say which node
-        it runs."""
+        """(client id, prompt id, node id) of the prompt given to a worker last, the node as its worker last
+        reported it (None before); Nones when none runs."""
         with self._lock:
             if not self._prompts:
                 return None, None, None
-            item = self._prompts[max(self._prompts)].item
-            return item.client_id, item.prompt_id, None
+            prompt = self._prompts[max(self._prompts)]
+            return prompt.item.client_id, prompt.item.prompt_id, prompt.node
 
     def stop(self, timeout: float = 30.0) -> None:
         self.queue.close()
@@ -97,8 +108,9 @@ class RayEngine(threading.Thread):
                 interrupts, self._interrupts = self._interrupts, []
             for index in interrupts:
                 scheduler.interrupt_job(index)
-            for outcome in scheduler.step(timeout=0.1):
+            for outcome in scheduler.step(timeout=POLL):
                 self._finish(outcome)
+            self._poll()
         scheduler.interrupt()  # the server stops: so do the prompts on workers
 
     def _start(self, item: QueueItem) -> None:
@@ -110,11 +122,62 @@ class RayEngine(threading.Thread):
         self._add_message(prompt, "execution_start", {"prompt_id": item.prompt_id}, False)
         self.scheduler.add(job)
 
+    def _poll(self) -> None:
+        """Send what the running prompts' workers reported since the last poll; ask them again."""
+        ray = require_ray()
+        with self._lock:
+            prompts = list(self._prompts.values())
+        for prompt in prompts:
+            if prompt.poll is None and prompt.live:
+                handle = self.scheduler.worker_of(prompt.job.index)
+                if handle is not None:
+                    self._restart_if_retried(prompt)
+                    prompt.poll = handle.report.remote(str(prompt.job.index), prompt.sent)
+        asked = {prompt.poll: prompt for prompt in prompts if prompt.poll is not None}
+        if not asked:
+            return
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
+        for ref in ready:
+            prompt = asked[ref]
+            prompt.poll = None
+            try:
+                worker, events, progress = ray.get(ref)
+            except ray.exceptions.RayError:  # its worker died: the scheduler runs the prompt elsewhere
+                continue
+            if self._restart_if_retried(prompt):
+                continue  # a report of the attempt before
+            for event in events:
+                if event["kind"] == SAVED_EVENT:
+                    prompt.live = False
+                    break
+                self._event(prompt, event, worker, {}, {})
+                prompt.sent += 1
+            if prompt.live and progress is not None and progress["node_id"] == prompt.node \
+                    and progress != prompt.progress:
+                prompt.progress = progress
+                self.sink.send("progress", {"value": progress["value"], "max": progress["max"],
+                                            "prompt_id": prompt.item.prompt_id, "node": prompt.node},
+                               prompt.item.client_id)
+
+    @staticmethod
+    def _restart_if_retried(prompt: _Prompt) -> bool:
+        """When the prompt's worker died since its messages were sent, send them again from its start."""
+        if prompt.job.attempts == prompt.attempt:
+            return False
+        prompt.attempt, prompt.sent, prompt.live, prompt.node = prompt.job.attempts, 0, True, None
+        prompt.executed.clear()
+        prompt.outputs.clear()
+        return True
+
     def _finish(self, outcome: Outcome) -> None:
         with self._lock:
             prompt = self._prompts.pop(outcome.job.index)
         item = prompt.item
-        self._replay(prompt, outcome)
+        self._restart_if_retried(prompt)
+        data = dict(outcome.images)
+        saved: dict[str, list[dict[str, str]]] = {}
+        for event in outcome.events[prompt.sent:]:
+            self._event(prompt, event, outcome.worker, data, saved)
         self._report_end(prompt, outcome)
         success = outcome.status == "finished"
         meta = {node_id: {"node_id": node_id, "display_node": node_id, "parent_node": None,
@@ -127,35 +190,35 @@ class RayEngine(threading.Thread):
         if item.client_id is not None:
             self.sink.send("executing", {"node": None, "prompt_id": item.prompt_id}, item.client_id)
 
-    def _replay(self, prompt: _Prompt, outcome: Outcome) -> None:
-        """The worker's events as ComfyUI's messages; its images are written into the output folder."""
-        item, data = prompt.item, dict(outcome.images)
-        folders = {"output": os.path.realpath(self.settings.output_dir)}
-        saved: dict[str, list[dict[str, str]]] = {}
-        for event in outcome.events:
-            kind, node_id = event["kind"], event.get("node_id")
-            if kind == "job_started":
-                self._add_message(prompt, "execution_cached", {"nodes": event.get("cached", []),
-                                                               "prompt_id": item.prompt_id}, False)
-            elif kind == "node_started" and item.client_id is not None:
+    def _event(self, prompt: _Prompt, event: dict[str, Any], worker: str, data: dict[str, bytes],
+               saved: dict[str, list[dict[str, str]]]) -> None:
+        """One of the worker's events as ComfyUI's messages. A saved image (its bytes in `data`) is written
+        into the output folder and kept in `saved` until its node's end."""
+        item, kind, node_id = prompt.item, event["kind"], event.get("node_id")
+        if kind == "job_started":
+            self._add_message(prompt, "execution_cached", {"nodes": event.get("cached", []),
+                                                           "prompt_id": item.prompt_id}, False)
+        elif kind == "node_started":
+            prompt.node = node_id
+            if item.client_id is not None:
                 self.sink.send("executing", {"node": node_id, "display_node": node_id,
                                              "prompt_id": item.prompt_id}, item.client_id)
-            elif kind == "image_saved" and event.get("name") in data:
-                path = write_image(self.settings, event["name"], data[event["name"]], {})
-                ref = image_ref(str(path), folders)
-                if ref is not None:
-                    saved.setdefault(str(node_id), []).append(ref)
-            elif kind == "node_finished":
-                prompt.executed.append(node_id)
-                images = saved.pop(str(node_id), None)
-                if images:
-                    self._ui_cache[outcome.worker, node_id] = prompt.outputs[node_id] = {"images": images}
-                    self._send_executed(prompt, node_id)
-                else:
-                    self._ui_cache.pop((outcome.worker, node_id), None)
-            elif kind == "node_cached" and (outcome.worker, node_id) in self._ui_cache:
-                prompt.outputs[node_id] = self._ui_cache[outcome.worker, node_id]
+        elif kind == SAVED_EVENT and event.get("name") in data:
+            path = write_image(self.settings, event["name"], data[event["name"]], {})
+            ref = image_ref(str(path), {"output": os.path.realpath(self.settings.output_dir)})
+            if ref is not None:
+                saved.setdefault(str(node_id), []).append(ref)
+        elif kind == "node_finished":
+            prompt.executed.append(node_id)
+            images = saved.pop(str(node_id), None)
+            if images:
+                self._ui_cache[worker, node_id] = prompt.outputs[node_id] = {"images": images}
                 self._send_executed(prompt, node_id)
+            else:
+                self._ui_cache.pop((worker, node_id), None)
+        elif kind == "node_cached" and (worker, node_id) in self._ui_cache:
+            prompt.outputs[node_id] = self._ui_cache[worker, node_id]
+            self._send_executed(prompt, node_id)
 
     def _report_end(self, prompt: _Prompt, outcome: Outcome) -> None:
         prompt_id = prompt.item.prompt_id

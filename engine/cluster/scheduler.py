@@ -167,6 +167,11 @@ class Scheduler:
             worker.handle.interrupt.remote()
         return bool(waiting or hit)
 
+    def worker_of(self, index: int) -> Any | None:
+        """The handle of the worker that job `index` was given to, None while it waits (or after it ended)."""
+        return next((worker.handle for worker in self.workers
+                     if any(job.index == index for job in worker.running.values())), None)
+
     def _assign(self, pending: deque[Job]) -> None:
         waiting: set[frozenset[str]] = set()  # models whose jobs wait for a worker they fit
         index = 0
@@ -184,7 +189,7 @@ class Scheduler:
             worker = min(able, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
                 len(w.running), not (keys and keys <= w.held), w.done))
             del pending[index]
-            worker.running[worker.handle.run.remote(job.document)] = job
+            worker.running[worker.handle.run.remote(job.document, str(job.index))] = job
             worker.held = job.model_keys
 
     def _able(self, job: Job) -> list[_Worker]:

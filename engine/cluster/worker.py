@@ -5,7 +5,9 @@ flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each w
 A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
 reads the files back, deletes them and returns their names and bytes, which the driver writes locally, with
 what the job did (each node's start, cache hit and end, the failure), which a server turns into ComfyUI's
-messages. The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
+messages; `report(token, since)` gives the running job's events so far and its latest progress, for a server
+to send while the job runs. The class is plain Python (tests run it in-process); scheduler.py makes it an
+actor with ray.remote.
 
 `model_fit(document)` says, from the model files' headers alone (auto-fit's estimate in engine/memory/
 autofit.py), whether each of the job's models fits the --max-vram budget of the device this worker computes it
@@ -91,6 +93,10 @@ class SluiceWorker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._run_lock = threading.Lock()
         self._interrupted_at = -1.0  # time.monotonic() of the last interrupt
+        self._report_lock = threading.Lock()
+        self._token = ""  # the running job's, as run() was given it
+        self._events: list[dict[str, Any]] = []  # the running job's, as WorkerResult.events
+        self._progress: dict[str, Any] | None = None  # its latest: node_id, value, max
 
     def ping(self) -> str:
         return self.name
@@ -143,7 +149,17 @@ class SluiceWorker:
         self._interrupted_at = time.monotonic()
         self.executor.interrupt()
 
-    def run(self, document: str) -> WorkerResult:
+    def report(self, token: str, since: int) -> tuple[str, list[dict[str, Any]], dict[str, Any] | None]:
+        """(this worker's name, the events from `since` on, the latest progress) of the running job, when it
+        is the one run() was given `token` for; else no events and no progress. A saved image's event has
+        the worker's "path", not yet its "name"."""
+        with self._report_lock:
+            if not token or token != self._token:
+                return self.name, [], None
+            return self.name, [dict(event) for event in self._events[since:]], self._progress
+
+    def run(self, document: str, token: str = "") -> WorkerResult:
+        """Run one job; `token` names it for report()."""
         from engine import telemetry
         from engine.graph.document import Workflow
         from engine.placement import PlacementError
@@ -155,6 +171,8 @@ class SluiceWorker:
             started = time.perf_counter()
             saved: list[str] = []
             events: list[dict[str, Any]] = []
+            with self._report_lock:
+                self._token, self._events, self._progress = token, events, None
 
             def collect(event: Any) -> None:
                 if event.kind == SAVED_EVENT and event.get("path") is not None:
@@ -164,6 +182,9 @@ class SluiceWorker:
                     events.append({"kind": event.kind, "node_id": event.get("node_id"),
                                    **({"cached": list(event.get("cached", []))} if event.kind == "job_started"
                                       else {})})
+                elif event.kind == "progress":
+                    self._progress = {"node_id": event.get("node_id"), "value": event.get("value"),
+                                      "max": event.get("max")}
 
             unsubscribe = telemetry.bus.subscribe(collect)
             try:
@@ -181,6 +202,8 @@ class SluiceWorker:
                                     f"{traceback.format_exc()}", worker=self.name)
             finally:
                 unsubscribe()
+                with self._report_lock:
+                    self._token = ""
                 images = self._take(saved)
                 for event in events:
                     if event["kind"] == SAVED_EVENT:

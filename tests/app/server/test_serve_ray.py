@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import sys
 
+import aiohttp
 import numpy as np
 import pytest
 from PIL import Image
@@ -99,20 +101,40 @@ def test_two_prompts_run_on_the_ray_workers_behind_the_same_api(ray_server, serv
     assert server.executor is None and sum(worker.done for worker in server.engine.scheduler.workers) == 2
 
 
-def test_an_interrupt_reaches_the_worker_running_the_prompt(ray_server, serve_registry) -> None:
-    url, server = ray_server
+def test_progress_comes_while_the_worker_samples_and_an_interrupt_reaches_it(ray_server,
+                                                                             serve_registry) -> None:
+    url, _ = ray_server
+    prompt = {"prompt": _prompt(serve_registry.get, 3, steps=10000), "client_id": "sampler"}
 
-    async def interrupted() -> tuple[str, object]:
-        task = asyncio.create_task(queue_and_follow(url, _prompt(serve_registry.get, 3, steps=10000)))
-        while not server.queue.running():
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(1.0)  # the worker has started sampling
-        await asyncio.get_running_loop().run_in_executor(None, lambda: request("POST", f"{url}/interrupt"))
-        return await task
+    async def interrupted() -> tuple[str, list[dict]]:
+        messages: list[dict] = []
+        interrupted_at = None
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{url}/ws?clientId=sampler") as ws:
+                async with session.post(f"{url}/prompt", json=prompt) as answer:
+                    prompt_id = (await answer.json())["prompt_id"]
+                async for message in ws:
+                    messages.append(json.loads(message.data))
+                    kind, data = messages[-1]["type"], messages[-1]["data"]
+                    if kind == "progress" and interrupted_at is None:  # sampling, reported live: interrupt it
+                        interrupted_at = data["value"]
+                        async with session.post(f"{url}/interrupt", json={"prompt_id": prompt_id}) as reply:
+                            assert reply.status == 200
+                    if kind == "executing" and data["node"] is None:
+                        return prompt_id, messages
+        raise AssertionError("the websocket closed before the prompt ended")
 
-    prompt_id, messages = asyncio.run(interrupted())
-    (stopped,) = messages.of("execution_interrupted")
-    assert stopped["node_type"] == "KSampler"
+    prompt_id, messages = asyncio.run(asyncio.wait_for(interrupted(), 120))
+    types = [message["type"] for message in messages if message["type"] != "status"]
+    sampler = next(index for index, message in enumerate(messages)
+                   if message["type"] == "executing" and message["data"]["node"] == "6")
+    progress = [message["data"] for message in messages[sampler:] if message["type"] == "progress"]
+    assert progress and all(data["node"] == "6" and data["max"] == 10000 for data in progress)
+    assert [data["value"] for data in progress] == sorted({data["value"] for data in progress})  # rising
+    assert types[:2] == ["execution_start", "execution_cached"] and types[-2:] == [
+        "execution_interrupted", "executing"], types
+    (stopped,) = [message["data"] for message in messages if message["type"] == "execution_interrupted"]
+    assert stopped["node_type"] == "KSampler" and stopped["node_id"] == "6"
     assert request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]["status"]["status_str"] == "error"
 
 
