@@ -842,6 +842,15 @@ def _add_serve_parser(subparsers: Any, common: argparse.ArgumentParser) -> None:
                         help="the largest request body in MB (default 100)")
     parser.add_argument("--preview-method", choices=PREVIEW_METHODS, default="auto",
                         help="sampling previews sent on the websocket (default auto)")
+    parser.add_argument("--ray", metavar="auto|ADDRESS",
+                        help="run the prompts on Ray workers instead of one engine thread: 'auto' joins the "
+                             "Ray cluster of this machine or starts a local one; ADDRESS joins that cluster "
+                             "(needs sluice[cluster])")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="with --ray: workers to start (default: one per GPU of the cluster, else one "
+                             "per CPU)")
+    parser.add_argument("--retries", type=int, default=2, metavar="N",
+                        help="with --ray: times a prompt whose worker died runs again elsewhere (default 2)")
     _add_memory_options(parser)
     parser.set_defaults(handler=command_serve)
 

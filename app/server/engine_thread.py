@@ -39,6 +39,20 @@ JPEG, PNG = 1, 2  # the image format word of a preview frame
 SAVED_IMAGE_EVENTS = ("image_saved", "image_preview")  # SaveImage's and PreviewImage's bus events
 
 
+class Engine(Protocol):
+    """What the server runs its prompts with: this module's EngineThread, or the Ray workers of
+    ray_backend.py (`sluice serve --ray`). It takes prompts from the server's queue and sends their
+    messages."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 30.0) -> None: ...
+
+    def interrupt(self, prompt_id: str | None = None) -> bool: ...
+
+    def executing(self) -> tuple[str | None, str | None, str | None]: ...
+
+
 class MessageSink(Protocol):
     """Where the engine thread's messages go (the server; thread-safe). `sid` None means every client."""
 

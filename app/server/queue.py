@@ -3,7 +3,8 @@
 Prompts run in the order of their `number` (ComfyUI's: a counter, negative for `front`, so the queue is FIFO
 and a front prompt goes before every queued one), ties in arrival order. The history keeps the latest
 MAX_HISTORY finished prompts in the order they finished. Every change of the queue calls `on_change`
-(the server broadcasts ComfyUI's `status` message from it).
+(the server broadcasts ComfyUI's `status` message from it). The engine thread runs one prompt at a time; Ray
+workers (ray_backend.py) run several, so several can be running.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class PromptQueue:
         self._condition = threading.Condition()
         self._heap: list[tuple[float, int, QueueItem]] = []
         self._arrival = itertools.count()
-        self._running: QueueItem | None = None
+        self._running: dict[str, QueueItem] = {}  # prompt id -> item, in the order they started
         self._history: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._flags: dict[str, Any] = {}
         self._number = 0
@@ -71,21 +72,20 @@ class PromptQueue:
         self._on_change()
 
     def _known(self, prompt_id: str) -> bool:
-        running = self._running is not None and self._running.prompt_id == prompt_id
-        return running or any(entry[2].prompt_id == prompt_id for entry in self._heap)
+        return prompt_id in self._running or any(entry[2].prompt_id == prompt_id for entry in self._heap)
 
     def pending(self) -> list[QueueItem]:
         with self._condition:
             return [entry[2] for entry in sorted(self._heap)]
 
-    def running(self) -> QueueItem | None:
+    def running(self) -> list[QueueItem]:
         with self._condition:
-            return self._running
+            return list(self._running.values())
 
     def remaining(self) -> int:
         """ComfyUI's queue_remaining: pending plus running prompts."""
         with self._condition:
-            return len(self._heap) + (self._running is not None)
+            return len(self._heap) + len(self._running)
 
     def clear_pending(self) -> None:
         with self._condition:
@@ -133,14 +133,15 @@ class PromptQueue:
 
     # -- the engine thread's side --
 
-    def take(self) -> QueueItem | None:
-        """Wait for the next prompt (now running) or a flag; None when only flags are set or it is closed."""
+    def take(self, timeout: float | None = None) -> QueueItem | None:
+        """Wait (at most `timeout` s; None: for ever) for the next prompt (now running) or a flag; None when
+        only flags are set, it is closed or the time ran out."""
         with self._condition:
-            while not self._heap and not self._flags and not self._closed:
-                self._condition.wait()
+            self._condition.wait_for(lambda: self._heap or self._flags or self._closed, timeout)
             if self._closed or not self._heap:
                 return None
-            item = self._running = heapq.heappop(self._heap)[2]
+            item = heapq.heappop(self._heap)[2]
+            self._running[item.prompt_id] = item
         self._on_change()
         return item
 
@@ -155,11 +156,11 @@ class PromptQueue:
             return flags
 
     def finish(self, item: QueueItem, entry: dict[str, Any]) -> None:
-        """Record the running prompt's history entry and mark it done."""
+        """Record a running prompt's history entry and mark it done."""
         with self._condition:
             self._history[item.prompt_id] = entry
             self._history.move_to_end(item.prompt_id)
             while len(self._history) > MAX_HISTORY:
                 self._history.popitem(last=False)
-            self._running = None
+            self._running.pop(item.prompt_id, None)
         self._on_change()

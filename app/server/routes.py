@@ -217,8 +217,7 @@ class Routes:
                                   "node_errors": checked.node_errors})
 
     async def get_queue(self, request: web.Request) -> web.Response:
-        running = self.server.queue.running()
-        return web.json_response({"queue_running": [running.as_list()] if running is not None else [],
+        return web.json_response({"queue_running": [item.as_list() for item in self.server.queue.running()],
                                   "queue_pending": [item.as_list() for item in self.server.queue.pending()]})
 
     async def post_queue(self, request: web.Request) -> web.Response:

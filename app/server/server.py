@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import WSMsgType, web
 
-from app.server.engine_thread import EngineThread
+from app.server.engine_thread import Engine, EngineThread
 from app.server.prompts import error_entry
 from app.server.queue import PromptQueue
 from app.server.routes import RequestError, Routes
@@ -149,14 +149,21 @@ class _Client:
 
 
 class SluiceServer:
-    def __init__(self, settings: Settings, registry: NodeRegistry,
-                 options: ServerOptions | None = None) -> None:
+    """`engine(server)` makes what runs the prompts (ray_backend.py's); by default one EngineThread with its
+    Executor (`executor`, None with another engine)."""
+
+    def __init__(self, settings: Settings, registry: NodeRegistry, options: ServerOptions | None = None,
+                 engine: Callable[[SluiceServer], Engine] | None = None) -> None:
         self.settings = settings
         self.registry = registry
         self.options = options or ServerOptions()
         self.queue = PromptQueue(on_change=self._queue_changed)
-        self.executor = Executor(registry.get, telemetry.bus, settings)
-        self.engine = EngineThread(self.queue, self.executor, self, settings)
+        self.executor: Executor | None = None
+        if engine is None:
+            self.executor = Executor(registry.get, telemetry.bus, settings)
+            self.engine: Engine = EngineThread(self.queue, self.executor, self, settings)
+        else:
+            self.engine = engine(self)
         self.clients: dict[str, _Client] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None

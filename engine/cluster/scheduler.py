@@ -1,10 +1,14 @@
 """The driver's side: Ray workers (one actor per GPU, or per CPU core) and one queue of jobs over them.
 
-Placement: each worker is taken to hold the models of the last job given to it (its executor caches that
-job's loaders). A job goes to the least loaded worker, and among equally loaded ones to one whose held
-models include the job's (the loaders' cache signatures): an idle worker that holds them first, else any
-idle one, else a busy one with room. A worker has room while it has fewer than `depth` jobs given to it (a
-second one waits in the actor, so the worker does not idle between jobs).
+Placement: a job goes only to a worker whose budget its models fit (each worker's --max-vram on the device
+it computes them on, against their size from the files' headers: SluiceWorker.model_fit, asked once per
+worker and set of models), unless none of the workers left fits them; then to any. Among those, it goes to
+the least loaded worker, and among equally loaded ones to one whose held models include the job's (the
+loaders' cache signatures): an idle worker that holds them first, else any idle one, else a busy one with
+room. Each worker is taken to hold the models of the last job given to it (its executor caches that job's
+loaders). A worker has room while it has fewer than `depth` jobs given to it (a second one waits in the
+actor, so the worker does not idle between jobs). A job that must wait for a worker its models fit lets the
+jobs behind it that can start now go first.
 
 Faults: a worker that dies (killed, out of memory, its host gone: RayActorError) is dropped and each of its
 jobs goes back to the front of the queue, at most `retries` times per job; after that the job fails with the
@@ -19,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cluster import ClusterError, require_ray
-from engine.cluster.worker import SluiceWorker, WorkerResult
+from engine.cluster.worker import ModelFit, SluiceWorker, WorkerResult
 
-MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has a thread more, for interrupt)
+MAX_DEPTH = 4  # the most jobs given to one worker at once (its actor has 2 threads more: interrupt, fit)
 
 
 @dataclass
@@ -40,6 +44,8 @@ class Outcome:
     images: list[tuple[str, bytes]] = field(default_factory=list)
     message: str = ""
     worker: str = ""
+    events: list[dict[str, Any]] = field(default_factory=list)  # the worker's (WorkerResult.events)
+    failure: dict[str, str] | None = None  # the failed node's (WorkerResult.failure)
 
 
 def model_keys(workflow: Any, lookup: Callable[[str], Any], settings: Any = None) -> frozenset[str]:
@@ -64,7 +70,7 @@ def start_workers(count: int, registry_factory: Callable[[Any], Any], gpus: floa
         raise ClusterError(f"{gpus} GPUs per worker: expected 0 (a CPU worker), a fraction of one, or a "
                            f"whole number")
     resources = {"num_gpus": gpus} if gpus else {"num_cpus": 1}
-    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 1, **resources)  # + 1: interrupt
+    actor = ray.remote(SluiceWorker).options(max_concurrency=MAX_DEPTH + 2, **resources)
     return [actor.remote(registry_factory, memory_flags, models_root, plugins_dir) for _ in range(count)]
 
 
@@ -81,6 +87,7 @@ class _Worker:
     running: dict[Any, Job] = field(default_factory=dict)  # object ref -> job
     held: frozenset[str] = frozenset()
     done: int = 0
+    fits: dict[frozenset[str], bool] = field(default_factory=dict)  # model keys -> fit its budget?
 
 
 class Scheduler:
@@ -95,27 +102,50 @@ class Scheduler:
         self.depth = depth
         self.deaths: list[str] = []  # why each dropped worker died
         self._stopping = False
+        self._pending: deque[Job] = deque()
+        self._dropped: list[Outcome] = []  # jobs interrupted while they waited, for the next step
 
     def run(self, jobs: Iterable[Job]) -> Iterator[Outcome]:
         """Run every job; yields each outcome as it arrives (not in grid order)."""
+        self._pending.extend(jobs)
+        while self.busy():
+            yield from self.step()
+
+    def add(self, job: Job) -> None:
+        """Queue one more job (a server's prompt); `step` starts it."""
+        self._pending.append(job)
+
+    def busy(self) -> bool:
+        """Whether a job waits or runs."""
+        return bool(self._pending or self._dropped) or any(worker.running for worker in self.workers)
+
+    def has_room(self) -> bool:
+        """Whether a job added now would start at once (none waits and a worker has room), or be lost at once
+        (no worker is left)."""
+        return not self._pending and (not self.workers or any(len(worker.running) < self.depth
+                                                              for worker in self.workers))
+
+    def step(self, timeout: float = 1.0) -> list[Outcome]:
+        """Start the jobs that can start, then wait at most `timeout` s for one to end (a timeout lets Ctrl+C
+        be handled); returns the outcomes that came (none when nothing ended in time)."""
         ray = require_ray()
-        pending: deque[Job] = deque(jobs)
-        while pending or any(worker.running for worker in self.workers):
-            if self._stopping:
-                yield from (Outcome(job, "interrupted", message="interrupted before it started")
-                            for job in pending)
-                pending.clear()
-            if not self.workers:
-                reason = "; ".join(self.deaths) or "no workers"
-                yield from (Outcome(job, "lost", message=f"no worker left: {reason}") for job in pending)
-                return
-            self._assign(pending)
-            refs = [ref for worker in self.workers for ref in worker.running]
-            if not refs:
-                continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=1.0)  # a timeout lets Ctrl+C be handled
+        outcomes, self._dropped = self._dropped, []
+        if self._stopping:
+            outcomes += [Outcome(job, "interrupted", message="interrupted before it started")
+                         for job in self._pending]
+            self._pending.clear()
+        if not self.workers:
+            reason = "; ".join(self.deaths) or "no workers"
+            outcomes += [Outcome(job, "lost", message=f"no worker left: {reason}") for job in self._pending]
+            self._pending.clear()
+            return outcomes
+        self._assign(self._pending)
+        refs = [ref for worker in self.workers for ref in worker.running]
+        if refs:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
             if ready:
-                yield from self._collect(ready[0], pending, ray)
+                outcomes += self._collect(ready[0], self._pending, ray)
+        return outcomes
 
     def interrupt(self) -> None:
         """Stop: no new job starts, and every worker interrupts its running one."""
@@ -123,17 +153,60 @@ class Scheduler:
         for worker in self.workers:
             worker.handle.interrupt.remote()
 
+    def interrupt_job(self, index: int | None = None) -> bool:
+        """Interrupt job `index` (every running job when None) and keep running the others; a job that waits
+        to start is dropped (interrupted at the next step). With a depth over 1, the jobs given to the same
+        worker are interrupted too. False when no such job waits or runs."""
+        waiting = [job for job in self._pending if job.index == index]
+        for job in waiting:
+            self._pending.remove(job)
+            self._dropped.append(Outcome(job, "interrupted", message="interrupted before it started"))
+        hit = [worker for worker in self.workers if worker.running and (
+            index is None or any(job.index == index for job in worker.running.values()))]
+        for worker in hit:
+            worker.handle.interrupt.remote()
+        return bool(waiting or hit)
+
+    def worker_of(self, index: int) -> Any | None:
+        """The handle of the worker that job `index` was given to, None while it waits (or after it ended)."""
+        return next((worker.handle for worker in self.workers
+                     if any(job.index == index for job in worker.running.values())), None)
+
     def _assign(self, pending: deque[Job]) -> None:
-        while pending and not self._stopping:
-            job = pending[0]
+        waiting: set[frozenset[str]] = set()  # models whose jobs wait for a worker they fit
+        index = 0
+        while index < len(pending) and not self._stopping:
             free = [worker for worker in self.workers if len(worker.running) < self.depth]
             if not free:
                 return
-            worker = min(free, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
+            job = pending[index]
+            fitting = {id(worker) for worker in self._able(job)} if job.model_keys not in waiting else set()
+            able = [worker for worker in free if id(worker) in fitting]
+            if not able:
+                waiting.add(job.model_keys)
+                index += 1
+                continue
+            worker = min(able, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
                 len(w.running), not (keys and keys <= w.held), w.done))
-            pending.popleft()
-            worker.running[worker.handle.run.remote(job.document)] = job
+            del pending[index]
+            worker.running[worker.handle.run.remote(job.document, str(job.index))] = job
             worker.held = job.model_keys
+
+    def _able(self, job: Job) -> list[_Worker]:
+        """The workers whose budget the job's models fit; every worker when none of them does."""
+        if not job.model_keys:
+            return self.workers
+        ray = require_ray()
+        asked = [(worker, worker.handle.model_fit.remote(job.document))
+                 for worker in self.workers if job.model_keys not in worker.fits]
+        for worker, ref in asked:
+            try:
+                fit: ModelFit = ray.get(ref)
+                worker.fits[job.model_keys] = fit.fits
+            except ray.exceptions.RayError:  # a dead worker fits nothing (its running jobs will say it died)
+                worker.fits[job.model_keys] = False
+        fitting = [worker for worker in self.workers if worker.fits[job.model_keys]]
+        return fitting or self.workers
 
     def _collect(self, ref: Any, pending: deque[Job], ray: Any) -> Iterator[Outcome]:
         worker = next(worker for worker in self.workers if ref in worker.running)
@@ -158,7 +231,8 @@ class Scheduler:
             yield Outcome(job, "failed", message=_first_line(error))
             return
         worker.done += 1
-        yield Outcome(job, result.status, result.images, result.message, result.worker)
+        yield Outcome(job, result.status, result.images, result.message, result.worker, result.events,
+                      result.failure)
 
 
 def _first_line(error: BaseException) -> str:

@@ -3,13 +3,22 @@ stay loaded between jobs (the executor's cache keeps the last job's loaders), an
 flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
 
 A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
-reads the files back, deletes them and returns their names and bytes, which the driver writes locally.
-The class is plain Python (tests run it in-process); scheduler.py makes it an actor with ray.remote.
+reads the files back, deletes them and returns their names and bytes, which the driver writes locally, with
+what the job did (each node's start, cache hit and end, the failure), which a server turns into ComfyUI's
+messages; `report(token, since)` gives the running job's events so far and its latest progress, for a server
+to send while the job runs. The class is plain Python (tests run it in-process); scheduler.py makes it an
+actor with ray.remote.
+
+`model_fit(document)` says, from the model files' headers alone (auto-fit's estimate in engine/memory/
+autofit.py), whether each of the job's models fits the --max-vram budget of the device this worker computes it
+on, at the size this worker would hold it (that device's dtype, its --type): the scheduler gives a job to a
+worker it fits when there is one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import socket
@@ -23,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 SAVED_EVENT = "image_saved"  # what SaveImage publishes on the telemetry bus, with path=...
+REPORTED_EVENTS = ("job_started", "node_started", "node_cached", "node_finished", "job_interrupted")
 
 
 @dataclass
@@ -32,6 +42,10 @@ class WorkerResult:
     message: str = ""  # why, when not finished
     seconds: float = 0.0
     worker: str = ""  # host:pid of the worker
+    # what the job did, in order: {"kind": one of REPORTED_EVENTS or SAVED_EVENT, "node_id": ...}, with
+    # "cached" (node ids) for job_started and "name" (one of `images`) for image_saved
+    events: list[dict[str, Any]] = field(default_factory=list)
+    failure: dict[str, str] | None = None  # node_id, node_type, exception_type, message, traceback
 
 
 def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> Any:
@@ -40,6 +54,19 @@ def memory_settings(flags: dict[str, Any], workflow_memory: dict[str, Any]) -> A
     from engine.placement import MemorySettings, settings_from_namespace
 
     return settings_from_namespace(argparse.Namespace(**flags), MemorySettings.from_dict(workflow_memory))
+
+
+@dataclass(frozen=True)
+class ModelFit:
+    """The job's model that is most over its budget, else its largest (one loader's module)."""
+
+    size: int = 0  # bytes, as this worker would hold it
+    budget: int | None = None  # the --max-vram bytes of the device it computes on; None: no managed budget
+    model: str = ""  # which: "NODE_ID/module"
+
+    @property
+    def fits(self) -> bool:
+        return self.budget is None or self.size <= self.budget
 
 
 class SluiceWorker:
@@ -66,16 +93,73 @@ class SluiceWorker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._run_lock = threading.Lock()
         self._interrupted_at = -1.0  # time.monotonic() of the last interrupt
+        self._report_lock = threading.Lock()
+        self._token = ""  # the running job's, as run() was given it
+        self._events: list[dict[str, Any]] = []  # the running job's, as WorkerResult.events
+        self._progress: dict[str, Any] | None = None  # its latest: node_id, value, max
 
     def ping(self) -> str:
         return self.name
+
+    def model_fit(self, document: str) -> ModelFit:
+        """The job's model most over this worker's budget, else its largest, from file headers (nothing
+        loads). A loader whose file cannot be read is left out: the run reports it."""
+        from engine.devices import list_devices, resolve_device
+        from engine.graph.document import Workflow
+        from engine.memory.autofit import TYPED_COMPONENTS, component_needs
+        from engine.memory.ledger import resolve_budget
+        from engine.placement import max_vram_for, resolve_node_placement
+        from engine.quant.loading import WeightTypes
+
+        workflow = Workflow.loads(document)
+        memory = dict(workflow.settings.get("memory", {}))
+        settings = memory_settings(self.flags, memory)
+        types = (WeightTypes(settings.weight_type.upper() or None, settings.tensor_type_rules)
+                 if settings.weight_type or settings.tensor_type_rules else None)
+        devices = list_devices()
+        models = []
+        for node_id, node in workflow.nodes.items():
+            node_type = self.lookup(node.type)
+            files = getattr(node_type, "memory_files", None)
+            if node.mode != "normal" or files is None or not getattr(node_type, "memory_module", None):
+                continue
+            widgets = {**node_type.default_widget_values(), **node.widgets}
+            try:
+                for module, paths in files(self.settings, widgets).items():
+                    placed = resolve_node_placement(module, memory, str(widgets.get("backend", "auto")),
+                                                    str(widgets.get("params_backend", "auto")), self.flags,
+                                                    devices)
+                    device = resolve_device(placed.compute[0], devices)
+                    typed = types if module in TYPED_COMPONENTS else None
+                    needs = [need for path in paths for need in component_needs(
+                        path, {module: device.name}, node_id, types=typed,
+                        ladder=settings.chooses_weight_types, devices=devices)]
+                    if needs:  # the smallest weight types the ladder may take, else the types given
+                        size = sum(min([need.weight_bytes, *(v.weight_bytes for v in need.variants)])
+                                   for need in needs)
+                        budget = resolve_budget(max_vram_for(device, settings.max_vram, devices), device)
+                        models.append(ModelFit(size, budget, f"{node_id}/{module}"))
+            except (OSError, ValueError):  # a missing or unreadable file, a bad placement: the run says so
+                continue
+        over = [model for model in models if not model.fits]
+        return max(over or models, key=lambda model: model.size, default=ModelFit())
 
     def interrupt(self) -> None:
         """Stop the running job, and the jobs already given that wait for it."""
         self._interrupted_at = time.monotonic()
         self.executor.interrupt()
 
-    def run(self, document: str) -> WorkerResult:
+    def report(self, token: str, since: int) -> tuple[str, list[dict[str, Any]], dict[str, Any] | None]:
+        """(this worker's name, the events from `since` on, the latest progress) of the running job, when it
+        is the one run() was given `token` for; else no events and no progress. A saved image's event has
+        the worker's "path", not yet its "name"."""
+        with self._report_lock:
+            if not token or token != self._token:
+                return self.name, [], None
+            return self.name, [dict(event) for event in self._events[since:]], self._progress
+
+    def run(self, document: str, token: str = "") -> WorkerResult:
+        """Run one job; `token` names it for report()."""
         from engine import telemetry
         from engine.graph.document import Workflow
         from engine.placement import PlacementError
@@ -86,10 +170,21 @@ class SluiceWorker:
                 return WorkerResult("interrupted", message="interrupted before it started", worker=self.name)
             started = time.perf_counter()
             saved: list[str] = []
+            events: list[dict[str, Any]] = []
+            with self._report_lock:
+                self._token, self._events, self._progress = token, events, None
 
             def collect(event: Any) -> None:
                 if event.kind == SAVED_EVENT and event.get("path") is not None:
                     saved.append(str(event.get("path")))
+                    events.append({"kind": SAVED_EVENT, "node_id": event.get("node_id"), "path": saved[-1]})
+                elif event.kind in REPORTED_EVENTS:
+                    events.append({"kind": event.kind, "node_id": event.get("node_id"),
+                                   **({"cached": list(event.get("cached", []))} if event.kind == "job_started"
+                                      else {})})
+                elif event.kind == "progress":
+                    self._progress = {"node_id": event.get("node_id"), "value": event.get("value"),
+                                      "max": event.get("max")}
 
             unsubscribe = telemetry.bus.subscribe(collect)
             try:
@@ -107,9 +202,23 @@ class SluiceWorker:
                                     f"{traceback.format_exc()}", worker=self.name)
             finally:
                 unsubscribe()
+                with self._report_lock:
+                    self._token = ""
                 images = self._take(saved)
+                for event in events:
+                    if event["kind"] == SAVED_EVENT:
+                        event["name"] = Path(event.pop("path")).relative_to(self._folder).as_posix()
+            failure = None if result.failure is None else {
+                name: str(getattr(result.failure, name))
+                for name in ("node_id", "node_type", "exception_type", "message", "traceback")}
             return WorkerResult(result.status, images, _reason(result), time.perf_counter() - started,
-                                self.name)
+                                self.name, events, failure)
+
+    def free(self) -> None:
+        """POST /free: drop the cached results and the models they hold (after the running job)."""
+        with self._run_lock:
+            self.executor.clear_cache()
+            gc.collect()
 
     def close(self) -> None:
         shutil.rmtree(self._folder, ignore_errors=True)

@@ -20,7 +20,7 @@ from engine.cluster import scheduler as scheduler_module
 from engine.cluster.output import OVERRIDES_CHUNK, with_text_chunk, write_image
 from engine.cluster.scheduler import Job, Scheduler
 from engine.cluster.sweep import grid, parse_sweep
-from engine.cluster.worker import WorkerResult
+from engine.cluster.worker import ModelFit, WorkerResult
 from engine.images import png_text, save_png
 from engine.settings import Settings
 
@@ -33,6 +33,14 @@ class ActorDied(RayError):
     pass
 
 
+SIZES = {"big": 10, "small": 2}  # a job's model, named by its document's letters, -> its bytes
+
+
+class FitRef:
+    def __init__(self, worker: FakeWorker, document: str) -> None:
+        self.worker, self.document = worker, document
+
+
 class FakeRay:
     """ray.wait / ray.get over FakeWorkers: a ref is done when made; a worker in `dead` raises ActorDied."""
 
@@ -42,10 +50,15 @@ class FakeRay:
         self.dead: set[str] = set()
 
     def wait(self, refs, num_returns, timeout):  # the oldest job finishes first
-        oldest = min(refs, key=lambda ref: int(ref[1][1:].removesuffix("boom")))
+        oldest = min(refs, key=lambda ref: int(ref[1].strip("abcdefghijklmnopqrstuvwxyz")))
         return [oldest], [ref for ref in refs if ref is not oldest]
 
     def get(self, ref):
+        if isinstance(ref, FitRef):
+            if ref.worker.name in self.dead:
+                raise ActorDied(f"The actor {ref.worker.name} died unexpectedly")
+            ref.worker.asked.append(ref.document)
+            return ModelFit(SIZES.get(ref.document.rstrip("0123456789"), 0), ref.worker.budget)
         worker, document = ref
         if worker.name in self.dead:
             raise ActorDied(f"The actor {worker.name} died unexpectedly")
@@ -56,10 +69,13 @@ class FakeRay:
 
 
 class FakeWorker:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, budget: int | None = None) -> None:
         self.name = name
+        self.budget = budget
         self.ran: list[str] = []
-        self.run = SimpleNamespace(remote=lambda document: (self, document))
+        self.asked: list[str] = []  # documents whose model_fit it was asked
+        self.model_fit = SimpleNamespace(remote=lambda document: FitRef(self, document))
+        self.run = SimpleNamespace(remote=lambda document, token: (self, document))
         self.interrupt = SimpleNamespace(remote=lambda: None)
 
 
@@ -79,6 +95,29 @@ def test_a_job_goes_to_the_worker_that_holds_its_models(fake_ray: FakeRay) -> No
     assert a.ran == ["x0", "x3"] and b.ran == ["y1", "y2"]
 
 
+def test_a_job_waits_for_a_worker_whose_budget_its_models_fit(fake_ray: FakeRay) -> None:
+    small, large = FakeWorker("small", budget=4), FakeWorker("large", budget=16)
+    jobs = [Job(i, f"{model}{i}", model_keys=frozenset({model})) for i, model in
+            enumerate(["big", "big", "small", "big", "small"])]
+    outcomes = list(Scheduler([small, large], depth=1).run(jobs))
+    assert sorted(o.job.index for o in outcomes) == [0, 1, 2, 3, 4]
+    assert large.ran == ["big0", "big1", "big3"]  # big1 waited for it while small took small2
+    assert small.ran == ["small2", "small4"]
+    assert len(small.asked) == len(large.asked) == 2  # once per set of models
+
+
+def test_models_that_fit_no_worker_run_on_any(fake_ray: FakeRay) -> None:
+    a, b = FakeWorker("a", budget=4), FakeWorker("b", budget=1)
+    outcomes = list(Scheduler([a, b], depth=1).run([Job(i, f"big{i}", model_keys=frozenset({"big"}))
+                                                    for i in range(4)]))
+    assert [o.status for o in outcomes] == ["finished"] * 4 and a.ran and b.ran
+    fake_ray.dead.add("a")  # the one worker they fit is dead: they run on the one left
+    a, b = FakeWorker("a", budget=16), FakeWorker("b", budget=1)
+    outcomes = list(Scheduler([a, b], depth=1).run([Job(i, f"big{i}", model_keys=frozenset({"big"}))
+                                                    for i in range(2)]))
+    assert [o.status for o in outcomes] == ["finished"] * 2 and sorted(b.ran) == ["big0", "big1"]
+
+
 def test_a_dead_workers_jobs_run_elsewhere_then_fail_after_the_retries(fake_ray: FakeRay) -> None:
     a, b = FakeWorker("a"), FakeWorker("b")
     fake_ray.dead.add("a")
@@ -95,6 +134,21 @@ def test_a_job_that_fails_in_ray_fails_once(fake_ray: FakeRay) -> None:
     outcomes = list(Scheduler([a], retries=2).run([Job(0, "j0boom"), Job(1, "j1")]))
     assert [(o.job.index, o.status) for o in outcomes] == [(0, "failed"), (1, "finished")]
     assert "RayTaskError" in outcomes[0].message and a.ran == ["j1"]
+
+
+def test_jobs_added_one_at_a_time_and_one_interrupted_while_it_waits(fake_ray: FakeRay) -> None:
+    a = FakeWorker("a")
+    scheduler = Scheduler([a], depth=1)
+    assert scheduler.has_room() and not scheduler.busy()
+    scheduler.add(Job(0, "j0"))
+    scheduler.add(Job(1, "j1"))
+    assert not scheduler.has_room() and scheduler.busy()
+    assert scheduler.interrupt_job(1) and not scheduler.interrupt_job(7)
+    outcomes = []
+    while scheduler.busy():
+        outcomes += scheduler.step()
+    assert sorted((o.job.index, o.status) for o in outcomes) == [(0, "finished"), (1, "interrupted")]
+    assert a.ran == ["j0"] and scheduler.has_room()
 
 
 def test_sweeps_and_their_grid(tmp_path: Path) -> None:
