@@ -36,7 +36,6 @@ def shipped_history() -> dict:
 
 
 def test_a_resumed_run_keeps_the_vae_and_its_scale_and_its_files_load_and_generate(tmp_path, shipped_history):
-    torch.set_num_threads(1)
     out = tmp_path / "models"
     run(out, "--unet-steps", str(shipped_history["unet_steps"] + 2), "--high-noise-share", "0.5",
         "--time-budget", "600")
@@ -58,7 +57,6 @@ def test_a_resumed_run_keeps_the_vae_and_its_scale_and_its_files_load_and_genera
 
 
 def test_a_run_out_of_time_still_saves_its_files(tmp_path, shipped_history):
-    torch.set_num_threads(1)
     out = tmp_path / "models"
     run(out, "--unet-steps", str(shipped_history["unet_steps"] + 1000), "--time-budget", "0.001")
     history = json.loads(metadata(out / "checkpoints" / CHECKPOINT_NAME)["sluice.training"])
