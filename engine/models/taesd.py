@@ -28,7 +28,7 @@ CHANNELS = 64
 DECODER_NAMES = {"sd1": "taesd_decoder", "sdxl": "taesdxl_decoder"}
 LATENT_SCALES = {"sd1": 0.18215, "sdxl": 0.13025}
 KEY_PREFIXES = ("taesd_decoder.", "decoder.")  # combined files (ComfyUI's, diffusers-style) nest the decoder
-OWN_DECODER_SUFFIX = "_taesd_decoder"  # vae_approx/<checkpoint stem>_taesd_decoder.*: that checkpoint's
+OWN_DECODER_SUFFIX = "_taesd_decoder"  # vae_approx/<checkpoint stem>_taesd_decoder.*: for that checkpoint
 SCALE_KEY = "sluice.vae_scale_factor"  # metadata of a decoder trained for one VAE: that VAE's latent scale
 
 
