@@ -1,7 +1,9 @@
 """An automatic judge for images of the shapes data set: does the picture show what the caption asked for?
 
 It measures a generated image the way a person would read it: the background colour (the border's median
-colour), the shape's pixels (those far from the background colour), their colour, where their centre lies
+colour), the shape's pixels (those far from the background colour, less specks: connected pieces under a
+tenth of the largest piece, such as the single stray pixels the VAE leaves in corners), their colour, where
+their centre lies
 on the 3x3 grid, their extent (small or large), and the shape itself: each of the six shapes is drawn by the
 data set's renderer over the measured pixels' bounding box, and the one that overlaps them best (intersection
 over union) is the shape read. Each measurement is the nearest of the data set's named values, so the judge is
@@ -21,6 +23,7 @@ from tools.shapes_dataset import COLORS, POSITIONS, SHAPES, SIZES, Scene, draw_o
 ATTRIBUTES = ("background", "color", "position", "size", "shape")
 SHAPE_DISTANCE = 50.0  # RGB distance from the background beyond which a pixel is a shape (palette gap >= 80)
 SUPERSAMPLE = 4  # the shape templates are drawn this much larger, then averaged down, as the renderer does
+SPECK = 0.1  # connected pieces of shape pixels smaller than this share of the largest piece are ignored
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,30 @@ def best_shape(mask: np.ndarray) -> str:
     return max(SHAPES, key=overlap)
 
 
+def connected_pieces(mask: np.ndarray) -> np.ndarray:
+    """(H, W) int labels of `mask`'s 8-connected pieces (0 outside the mask): each pixel of a piece ends up
+    with the piece's largest pixel number, by spreading the maximum to neighbours until nothing changes."""
+    height, width = mask.shape
+    labels = np.where(mask, np.arange(1, height * width + 1).reshape(height, width), 0)
+    while True:
+        padded = np.pad(labels, 1)
+        spread = np.max([padded[dy:dy + height, dx:dx + width] for dy in range(3) for dx in range(3)], axis=0)
+        spread = np.where(mask, spread, 0)
+        if np.array_equal(spread, labels):
+            return labels
+        labels = spread
+
+
+def without_specks(mask: np.ndarray) -> np.ndarray:
+    """`mask` less its connected pieces smaller than SPECK of its largest piece."""
+    labels = connected_pieces(mask)
+    names, sizes = np.unique(labels[labels > 0], return_counts=True)
+    if len(names) == 0:
+        return mask
+    kept = names[sizes >= SPECK * sizes.max()]
+    return np.isin(labels, kept) & mask
+
+
 def measure(image: Image.Image | np.ndarray) -> Measurement:
     pixels = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image, dtype=np.float32)
     side = pixels.shape[0]
@@ -83,7 +110,7 @@ def measure(image: Image.Image | np.ndarray) -> Measurement:
                              pixels[:, :ring].reshape(-1, 3), pixels[:, -ring:].reshape(-1, 3)])
     background = nearest_color(np.median(border, axis=0))
     distance = np.sqrt(((pixels - np.array(COLORS[background], dtype=np.float32)) ** 2).sum(axis=-1))
-    mask = distance > SHAPE_DISTANCE  # (H, W)
+    mask = without_specks(distance > SHAPE_DISTANCE)  # (H, W)
     fraction = float(mask.mean())
     if mask.sum() < max(4, side * side // 400):
         return Measurement(background, None, None, None, None, fraction)

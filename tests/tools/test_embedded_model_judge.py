@@ -1,15 +1,17 @@
 """The embedded model draws what its prompts ask for, judged automatically (tools/shapes_judge.py).
 
 16 one-shape prompts in the data set's training wordings, half with colour/shape pairs never seen in
-training. The thresholds sit above chance (background 1/8, colour 1/7, position 1/9, size 1/2, shape 1/6) and
-below what the shipped model scores on these 16 prompts (background 13/16, colour 10/16, position 9/16, size
-10/13, shape 8/16; held-out pairs: background 6/8, colour 4/8, position 6/8). It was trained on 4 of the 16
-caption templates that the data set now has, before the second version's captions (issue 22): a model trained
-on them should score far higher, and these thresholds should rise with it.
+training. The thresholds sit above chance (background 1/8, colour 1/7, position 1/9, shape 1/6) and below what
+the shipped model scores on these 16 prompts (background 13/16, colour 10/16, position 9/16, shape 14/16;
+held-out pairs: background 6/8, colour 4/8, position 6/8). Its size, 7/13, is no better than chance (1/2), so
+size is not asserted. It was trained on 4 of the 16 caption templates that the data set now has, before the
+second version's captions (issue 22): a model trained on them should score far higher, and these thresholds
+(and a size threshold) should rise with it.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine.settings import load_settings
@@ -46,6 +48,13 @@ def test_the_judge_notices_a_wrong_colour_position_and_shape():
     assert measure(render(Scene("white", ()))).color is None
 
 
+def test_the_judge_ignores_stray_corner_pixels():
+    scene = Scene("white", (ShapeSpec("circle", "purple", "large", "bottom"),))
+    pixels = np.array(render(scene))
+    pixels[0, 0] = pixels[-1, -1] = (200, 0, 0)  # the VAE's corner specks
+    assert all(judge(pixels, scene).values())
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_the_judge_reads_each_shape_at_every_place(size):
     for shape in SHAPES:
@@ -67,10 +76,9 @@ def test_embedded_model_draws_the_prompted_background_and_colour(verdicts):
     assert accuracy(verdicts, "color") >= 0.5
 
 
-def test_embedded_model_places_sizes_and_shapes_the_shape(verdicts):
+def test_embedded_model_places_and_shapes_the_shape(verdicts):
     assert accuracy(verdicts, "position") >= 0.4
-    assert accuracy(verdicts, "size") >= 0.6
-    assert accuracy(verdicts, "shape") >= 0.35
+    assert accuracy(verdicts, "shape") >= 0.7
 
 
 def test_embedded_model_generalises_to_held_out_colour_shape_pairs(verdicts):
