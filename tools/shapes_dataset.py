@@ -71,7 +71,8 @@ COLOR_SYNONYMS: dict[str, tuple[str, ...]] = {
 }
 SIZE_WORDS: dict[str, tuple[str, ...]] = {"small": ("small", "little", "tiny"), "large": ("large", "big")}
 # Sentence forms: {body} is the shape phrase(s), {bg} the background colour word, {a_bg} its article.
-# PREFIXES go in front of any of them ("draw a red circle ...", "a picture of a red circle ...").
+# PREFIXES go in front of those that start with a noun ("draw a red circle ...", "a picture of a blue
+# background with ...").
 TRAINING_TEMPLATES = (
     "{body} on {a_bg} {bg} background",
     "{body} on {bg} background",
@@ -147,7 +148,8 @@ def caption(scene: Scene, rng: random.Random, held_out_wording: bool = False) ->
     if held_out_wording:
         return rng.choice(HELD_OUT_TEMPLATES).format(body=body, bg=background, a_bg=_article(background))
     text = rng.choice(TRAINING_TEMPLATES).format(body=body, bg=background, a_bg=_article(background))
-    return rng.choice(PREFIXES) + text if rng.random() < 0.25 else text
+    prefixed = rng.random() < 0.25 and not text.startswith(("the ", "on "))  # not "draw the background is"
+    return rng.choice(PREFIXES) + text if prefixed else text
 
 
 def names_size(text: str) -> bool:

@@ -11,6 +11,7 @@ from tools.shapes_dataset import (
     COLOR_SYNONYMS,
     COLORS,
     HELD_OUT_TEMPLATES,
+    PREFIXES,
     SIZE_WORDS,
     TRAINING_TEMPLATES,
     caption,
@@ -55,6 +56,11 @@ def test_training_captions_use_every_wording_both_orders_prefixes_and_synonyms()
     words = set(" ".join(captions).replace(",", " ").replace(".", " ").split())
     assert {w for synonyms in COLOR_SYNONYMS.values() for w in synonyms} <= words
     assert {w for sizes in SIZE_WORDS.values() for w in sizes} <= words
+
+
+def test_a_prefix_never_precedes_a_sentence_that_starts_with_the_or_on():
+    captions = training_captions(3000)
+    assert not [c for c in captions for prefix in PREFIXES if c.startswith((prefix + "the ", prefix + "on "))]
 
 
 def test_colour_synonyms_and_size_words_are_single_clip_tokens():
