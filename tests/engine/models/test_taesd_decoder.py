@@ -28,6 +28,7 @@ from engine.models.taesd import (
 from engine.previews import make_previewer, preview_options
 from engine.sampling.preview import latent_to_rgb
 from engine.settings import Settings, embedded_models_dir
+from nodes import loaders
 from nodes.preview import TAESDDecode, taesd_choices, taesd_family
 
 
@@ -176,7 +177,8 @@ def test_taesd_decode_node_scales_by_the_decoders_own_latent_scale(tmp_path):
     torch.testing.assert_close(images, decoder.decode(raw * 0.5).movedim(1, -1))
 
 
-def test_the_embedded_model_ships_a_preview_decoder_listed_for_taesd_decode():
+def test_the_embedded_model_ships_a_preview_decoder_listed_for_taesd_decode(tmp_path, monkeypatch):
+    monkeypatch.setattr(loaders, "_settings", Settings(tmp_path, tmp_path, None))  # an empty models root
     path = embedded_models_dir() / "vae_approx" / "sluice-shapes_taesd_decoder.safetensors"
     assert path.stat().st_size < 1024 * 1024
     checkpoint = embedded_models_dir() / "checkpoints" / "sluice-shapes.safetensors"
