@@ -1,14 +1,16 @@
 """Live sampling previews chosen by the workflow's settings: TAESD, the linear latent-to-RGB map, or none.
 
 `workflow.settings["preview"] = {"method": "auto" | "latent2rgb" | "taesd" | "none", "every": N}`; auto uses
-TAESD when vae_approx/ holds the family's decoder (taesd_decoder.* for SD1/SD2, taesdxl_decoder.* for SDXL)
-and the latent-to-RGB projection otherwise. Previews are at most 256 px on their longer side.
+TAESD when vae_approx/ holds the checkpoint's own decoder (<checkpoint stem>_taesd_decoder.*, as the embedded
+model ships) or the family's (taesd_decoder.* for SD1/SD2, taesdxl_decoder.* for SDXL), and the latent-to-RGB
+projection otherwise. Previews are at most 256 px on their longer side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,9 @@ import torch
 
 from engine.models.taesd import (
     DECODER_NAMES,
+    OWN_DECODER_SUFFIX,
     cached_taesd_decoder,
+    find_checkpoint_decoder,
     find_taesd_decoder,
     shrink_latent,
     taesd_frame,
@@ -89,17 +93,22 @@ class HostFrames:
 
 
 def make_previewer(workflow_settings: Mapping[str, Any] | None, family: str,
-                   models: Settings | None = None) -> Previewer | None:
+                   models: Settings | None = None, checkpoint: Path | None = None) -> Previewer | None:
     """The per-step preview function for a sampler of latent `family` ("sd1", "sdxl"), or None when off.
 
-    `models` locates vae_approx/ for TAESD; without it, auto means latent2rgb.
+    `models` locates vae_approx/ for TAESD; without it, auto means latent2rgb. `checkpoint` is the model's
+    file: a decoder made for its VAE is preferred to the family's.
     """
     options = preview_options(workflow_settings)
     if options.method == "none":
         return None
-    decoder_path = find_taesd_decoder(models, family) if options.method in ("auto", "taesd") else None
+    decoder_path = None
+    if options.method in ("auto", "taesd"):
+        decoder_path = find_checkpoint_decoder(models, checkpoint) or find_taesd_decoder(models, family)
     if options.method == "taesd" and decoder_path is None:
         expected = DECODER_NAMES.get(family, "a TAESD decoder")
+        if checkpoint is not None:
+            expected = f"{Path(checkpoint).name.split('.')[0]}{OWN_DECODER_SUFFIX} or {expected}"
         where = models.model_dirs("vae_approx")[0] if models is not None else "vae_approx/ (no models folder)"
         raise ValueError(f"preview method 'taesd' needs {expected}.safetensors for latent family {family!r} "
                          f"in {where}; TAESD decoders exist for: {', '.join(DECODER_NAMES)}")

@@ -176,7 +176,8 @@ def with_inpaint_channels(model: DiffusionModel, conditioning: Any, entries: lis
 
 def step_reporter(ctx: RunContext, model: DiffusionModel) -> Callable[[dict], None]:
     """The per-step callback of a sampler node: progress every step, a preview as the settings ask."""
-    previewer = make_previewer(getattr(ctx.workflow, "settings", None), model.latent_format, ctx.settings)
+    previewer = make_previewer(getattr(ctx.workflow, "settings", None), model.latent_format, ctx.settings,
+                               model.source)
 
     def on_step(info: dict) -> None:
         ctx.report_progress(info["i"] + 1, info["total"])

@@ -32,25 +32,39 @@ class CollectImage(NodeType):
         return (images,)
 
 
+# The judge's prompt groups: colour/shape pairs seen in training, pairs held out of it (HELD_OUT), and seen
+# pairs phrased in wordings training never uses (HELD_OUT_TEMPLATES).
+GROUPS = ("trained pairs", "held-out pairs", "unseen wordings")
+
+
 @dataclass(frozen=True)
 class JudgedPrompt:
     scene: shapes_dataset.Scene
     caption: str
-    held_out: bool
+    group: str  # one of GROUPS
+
+    @property
+    def held_out(self) -> bool:
+        return self.group == "held-out pairs"
 
     @property
     def names_size(self) -> bool:
-        return any(f" {size} " in f" {self.caption} " for size in shapes_dataset.SIZES)
+        return shapes_dataset.names_size(self.caption)
 
 
-def judge_prompts(count: int, seed: int = 1234) -> list[JudgedPrompt]:
-    """One-shape scenes with captions; every other one uses a colour/shape pair held out of training."""
+def judge_prompts(count: int, seed: int = 1234, groups: tuple[str, ...] = GROUPS[:2]) -> list[JudgedPrompt]:
+    """One-shape scenes with captions, the i-th of group groups[i % len(groups)]."""
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown or not groups:
+        raise ValueError(f"unknown judge prompt group(s) {unknown or groups!r}; "
+                         f"accepted: {', '.join(GROUPS)}")
     prompts = []
     for i in range(count):
         rng = random.Random(seed + i)
-        held_out = i % 2 == 1
-        scene = shapes_dataset.random_scene(rng, held_out=held_out, max_shapes=1)
-        prompts.append(JudgedPrompt(scene, shapes_dataset.caption(scene, rng), held_out))
+        group = groups[i % len(groups)]
+        scene = shapes_dataset.random_scene(rng, held_out=group == "held-out pairs", max_shapes=1)
+        text = shapes_dataset.caption(scene, rng, held_out_wording=group == "unseen wordings")
+        prompts.append(JudgedPrompt(scene, text, group))
     return prompts
 
 
@@ -66,7 +80,8 @@ class EmbeddedGenerator:
         self.workflow.nodes[save_id].widgets.clear()
         self.save_id = save_id
         self.workflow.nodes[self.sampler_id].widgets.update(steps=steps, cfg=cfg)
-        self.executor = Executor(registry.get, bus=EventBus(), settings=settings)
+        self.bus = EventBus()  # the run's events; live previews arrive as "preview" events
+        self.executor = Executor(registry.get, bus=self.bus, settings=settings)
 
     def generate(self, prompt: str, seed: int) -> Image.Image:
         self.workflow.nodes[self.positive_id].widgets["text"] = prompt

@@ -11,8 +11,15 @@ MODELS/text_encoders/sluice-shapes-clip.safetensors (the text encoder, in the sp
 `text_model.*`). The CLIP vocabulary alone is 49408 x 64 weights, which is why it is a file of its own.
 
 Resumable: `--resume MODELS` continues from the files this program wrote there (weights and phase step
-counts are in the files' metadata; optimiser moments start afresh). `--time-budget` stops a run cleanly
-and saves, so each run fits the GPU machine's 10-minute limit.
+counts are in the files' metadata; optimiser moments start afresh). A resumed run keeps the VAE and its
+latent scale factor, so the preview decoder trained for that VAE (tools/train_preview_decoder.py) stays
+valid. `--time-budget` stops a run cleanly and saves, so each run fits the GPU machine's 10-minute limit:
+the budget counts from the program's start (data rendering included) to the end of training; saving takes
+a few seconds more.
+
+Captions come from tools/shapes_dataset.py in its training wordings only (HELD_OUT_TEMPLATES and the HELD_OUT
+colour/shape pairs are the judge's). `--high-noise-share` draws that share of each batch's timesteps from
+the noisier half of the schedule, where a sample's layout (the shape's position and size) is decided.
 
     python tools/train_embedded_model.py --out resources/models --vae-steps 3000 --unet-steps 20000 \
         --time-budget 540 [--resume resources/models]
@@ -45,7 +52,7 @@ from tools import shapes_dataset  # noqa: E402
 
 SIDE = 128  # image side in pixels; the latent is SIDE / 8
 TOKENS = 77
-CAPTIONS_PER_SCENE = 4
+CAPTIONS_PER_SCENE = 8
 UNET_PREFIX, VAE_PREFIX = "model.diffusion_model.", "first_stage_model."
 TE_PREFIX = ""  # a split text-encoder file: keys "text_model.*", as transformers saves CLIPTextModel
 HEAD_CHANNELS = 32  # recorded in the file's metadata (sluice.num_head_channels): shapes do not say it
@@ -292,9 +299,11 @@ def train_diffusion(
     ema_te: EMA,
     log,
     batch_size: int,
+    peak_lr: float = 3e-4,
+    high_noise_share: float = 0.0,
 ) -> int:
     params = list(unet.parameters()) + list(te.parameters())
-    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=peak_lr, weight_decay=0.01, fused=device.type == "cuda")
     unet_step = compiled_or_eager(unet, latents[:8], device, log)
     alphas = sd_alphas_cumprod(device)
     unet.train()
@@ -302,7 +311,7 @@ def train_diffusion(
     step, began = start, time.time()
     while step < steps and time.time() < deadline:
         warm = min(1.0, (step - start + 1) / 300)
-        lr = 3e-4 * warm * cosine(progress(step, steps, began, deadline), 0.05)
+        lr = peak_lr * warm * cosine(progress(step, steps, began, deadline), 0.05)
         for group in opt.param_groups:
             group["lr"] = lr
         index = torch.randint(0, len(latents), (batch_size,), device=device)
@@ -312,6 +321,8 @@ def train_diffusion(
         drop = torch.rand(batch_size, device=device) < 0.1
         ids = torch.where(drop[:, None], empty.expand_as(ids), ids)
         t = torch.randint(0, 1000, (batch_size,), device=device)
+        noisy = torch.rand(batch_size, device=device) < high_noise_share
+        t = torch.where(noisy, 500 + t // 2, t)
         noise = torch.randn_like(x0)
         a = alphas[t].view(-1, 1, 1, 1)
         xt = a.sqrt() * x0 + (1 - a).sqrt() * noise
@@ -387,12 +398,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vae-steps", type=int, default=3000)
     parser.add_argument("--unet-steps", type=int, default=20000)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-4, help="UNet and text encoder peak learning rate")
+    parser.add_argument("--high-noise-share", type=float, default=0.0,
+                        help="share of timesteps drawn from the noisier half (500..999) of the schedule")
     parser.add_argument("--vae-share", type=float, default=0.3, help="share of the time budget for the VAE")
     parser.add_argument("--time-budget", type=float, default=540.0, help="seconds; save and stop after")
     parser.add_argument("--workers", type=int, default=max(1, multiprocessing.cpu_count() - 1))
     parser.add_argument("--log", type=Path, help="also append log lines to this file")
     parser.add_argument("--preview", type=Path, help="write a PNG grid of samples here at the end")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.high_noise_share <= 1.0:
+        parser.error(f"--high-noise-share {args.high_noise_share} is not a share; accepted: 0..1")
+    if args.time_budget <= 0:
+        parser.error(f"--time-budget {args.time_budget} is not a number of seconds; accepted: > 0")
 
     started = time.time()
     deadline = started + args.time_budget
@@ -418,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.nn.init.normal_(te.text_model.embeddings.token_embedding.weight, std=0.02)
     torch.nn.init.normal_(te.text_model.embeddings.position_embedding.weight, std=0.01)
     history: dict = {"vae_steps": 0, "unet_steps": 0, "seconds": 0.0, "runs": []}
+    kept_scale = None
     if args.resume:
         checkpoint = args.resume / "checkpoints" / CHECKPOINT_NAME
         tensors = load_file(str(checkpoint))
@@ -426,12 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         load_prefixed(te, load_file(str(args.resume / "text_encoders" / TEXT_ENCODER_NAME)), TE_PREFIX)
         with safe_open(str(checkpoint), framework="pt") as f:
             history = json.loads(f.metadata()["sluice.training"])
+            kept_scale = float(f.metadata()["sluice.vae_scale_factor"])
         log(
             f"resumed from {args.resume}: {history['vae_steps']} VAE, {history['unet_steps']} UNet steps"
         )
     for name, module in (("unet", unet), ("vae", vae), ("te", te)):
         log(f"{name}: {sum(p.numel() for p in module.parameters()):,} parameters")
-
 
     run = {"vae_from": history["vae_steps"], "unet_from": history["unet_steps"]}
     if history["unet_steps"] == 0 and history["vae_steps"] < args.vae_steps:  # the UNet fixes the latents
@@ -441,8 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     vae.requires_grad_(False)
     latents = encode_latents(vae, images, device)
-    scale = 1.0 / latents.std().item()
-    log(f"latent std {latents.std().item():.4f} -> scale factor {scale:.5f}")
+    if history["unet_steps"] > 0 and kept_scale is not None:  # the UNet (and preview decoder) know this scale
+        scale = kept_scale
+        log(f"latent std {latents.std().item():.4f}; scale factor kept at {scale:.6f}")
+    else:
+        scale = 1.0 / latents.std().item()
+        log(f"latent std {latents.std().item():.4f} -> scale factor {scale:.5f}")
     latents = (latents * scale).to(device)
 
     tokenizer = CLIPTokenizer(pad_with="eos")
@@ -463,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             ema_te,
             log,
             args.batch_size,
+            args.lr,
+            args.high_noise_share,
         )
         ema_unet.copy_to()
         ema_te.copy_to()

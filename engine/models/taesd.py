@@ -3,6 +3,10 @@
 The decoder maps a latent in the diffusion model's space (raw VAE latent * scale factor) to an image in 0..1
 at 8x its size. Files use the reference layout of taesd_decoder.safetensors: an nn.Sequential whose index
 0 is the Clamp, so the first conv is "1.weight" and the first Block's convs "3.conv.0.weight", ...
+Smaller decoders in the same layout load too: the width comes from "1.weight", the Blocks per stage from the
+last key's index. A checkpoint can ship its own decoder as vae_approx/<checkpoint stem>_taesd_decoder.* (the
+embedded model does: tools/train_preview_decoder.py), with its latent scale in the file's metadata
+(`sluice.vae_scale_factor`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ CHANNELS = 64
 DECODER_NAMES = {"sd1": "taesd_decoder", "sdxl": "taesdxl_decoder"}
 LATENT_SCALES = {"sd1": 0.18215, "sdxl": 0.13025}
 KEY_PREFIXES = ("taesd_decoder.", "decoder.")  # combined files (ComfyUI's, diffusers-style) nest the decoder
+OWN_DECODER_SUFFIX = "_taesd_decoder"  # vae_approx/<checkpoint stem>_taesd_decoder.*: for that checkpoint
+SCALE_KEY = "sluice.vae_scale_factor"  # metadata of a decoder trained for one VAE: that VAE's latent scale
 
 
 class TAESDError(ValueError):
@@ -56,16 +62,19 @@ class Block(nn.Module):
 
 
 class TAESDDecoder(nn.Sequential):
-    """Clamp, conv latent->64, ReLU, 3 x [3 Blocks, 2x nearest upsample, conv], Block, conv 64->3."""
+    """Clamp, conv latent->width, ReLU, 3 x [`blocks` Blocks, 2x nearest upsample, conv], Block, conv
+    width->3. The reference decoder has width 64 and 3 Blocks per stage."""
 
-    def __init__(self, latent_channels: int = 4):
+    def __init__(self, latent_channels: int = 4, width: int = CHANNELS, blocks: int = 3,
+                 latent_scale: float | None = None):
         stages: list[nn.Module] = []
         for _ in range(3):
-            stages += [Block(CHANNELS, CHANNELS), Block(CHANNELS, CHANNELS), Block(CHANNELS, CHANNELS),
-                       nn.Upsample(scale_factor=2), conv(CHANNELS, CHANNELS, bias=False)]
-        super().__init__(Clamp(), conv(latent_channels, CHANNELS), nn.ReLU(), *stages,
-                         Block(CHANNELS, CHANNELS), conv(CHANNELS, 3))
+            stages += [*(Block(width, width) for _ in range(blocks)), nn.Upsample(scale_factor=2),
+                       conv(width, width, bias=False)]
+        super().__init__(Clamp(), conv(latent_channels, width), nn.ReLU(), *stages, Block(width, width),
+                         conv(width, 3))
         self.latent_channels = latent_channels
+        self.latent_scale = latent_scale  # the VAE's scale when trained for one VAE; None: the family's
 
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         """(B, C, h, w) model-space latent -> (B, 3, 8h, 8w) image in 0..1."""
@@ -85,15 +94,21 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_taesd_decoder(path: str | Path, device: str | torch.device = "cpu") -> TAESDDecoder:
-    """A taesd(xl)_decoder file -> TAESDDecoder in eval mode on `device` (latent channels from "1.weight")."""
+    """A TAESD decoder file -> TAESDDecoder in eval mode on `device` (latent channels and width from
+    "1.weight", Blocks per stage from the last layer's index, the latent scale from the metadata)."""
     path = Path(path)
     with open_checkpoint(path) as reader:
         state = _strip_prefix({key: reader.get(key) for key in reader.keys()})
+        metadata = reader.metadata()
     first = state.get("1.weight")
-    if first is None or first.ndim != 4 or first.shape[0] != CHANNELS:
+    if first is None or first.ndim != 4 or first.shape[2:] != (3, 3):
         raise TAESDError(f"{path} is not a TAESD decoder: expected a first conv '1.weight' of shape "
-                         f"({CHANNELS}, latent_channels, 3, 3)")
-    decoder = TAESDDecoder(latent_channels=first.shape[1])
+                         f"(width, latent_channels, 3, 3)")
+    last = max(int(key.split(".")[0]) for key in state if key.split(".")[0].isdigit())
+    blocks = max(1, (last - 10) // 3)  # 3 + 3 * (blocks + 2) layers, then the Block and the output conv
+    scale = float(metadata[SCALE_KEY]) if SCALE_KEY in metadata else None
+    decoder = TAESDDecoder(latent_channels=first.shape[1], width=first.shape[0], blocks=blocks,
+                           latent_scale=scale)
     expected = decoder.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -112,10 +127,19 @@ def load_taesd_decoder(path: str | Path, device: str | torch.device = "cpu") -> 
 def find_taesd_decoder(settings: Settings | None, family: str) -> Path | None:
     """The vae_approx/ file named taesd_decoder.* (sd1) or taesdxl_decoder.* (sdxl), or None."""
     name = DECODER_NAMES.get(family)
-    if settings is None or name is None:
+    return None if settings is None or name is None else _find_vae_approx(settings, name)
+
+
+def find_checkpoint_decoder(settings: Settings | None, checkpoint: Path | None) -> Path | None:
+    """The vae_approx/ file <checkpoint stem>_taesd_decoder.*: the decoder made for that checkpoint's VAE."""
+    if settings is None or checkpoint is None:
         return None
+    return _find_vae_approx(settings, Path(checkpoint).name.split(".")[0] + OWN_DECODER_SUFFIX)
+
+
+def _find_vae_approx(settings: Settings, stem: str) -> Path | None:
     for model in settings.list_models("vae_approx"):
-        if Path(model).name.split(".")[0] == name:
+        if Path(model).name.split(".")[0] == stem:
             return settings.resolve_model("vae_approx", model)
     return None
 

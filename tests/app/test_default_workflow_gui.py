@@ -21,7 +21,8 @@ def test_default_workflow_opens_runs_and_shows_the_prompted_image(qtbot, make_de
     assert image.size == (128, 128)
     # The default prompt: "a large yellow star in the center on a blue background".
     expected = Scene("blue", (ShapeSpec("star", "yellow", "large", "center"),))
-    assert judge(image, expected) == {"background": True, "color": True, "position": True, "size": True}
+    assert judge(image, expected) == {"background": True, "color": True, "position": True, "size": True,
+                                      "shape": True}
     window.view.fit_to_content()
     screenshot(window, "main_window_default_workflow_run.png")
 

@@ -1,5 +1,5 @@
 """engine/models/taesd.py and engine/previews.py: the TAESD decoder against diffusers' AutoencoderTiny decoder
-on random weights, and the preview options.
+on random weights, the preview options, and decoders made for one checkpoint's VAE (the embedded model's).
 
 Key map (explicit): the reference taesd_decoder layout is an nn.Sequential whose index 0 is Clamp, while
 diffusers' DecoderTiny applies the clamp in forward() and numbers its `layers` from the first conv, so
@@ -16,11 +16,20 @@ from diffusers import AutoencoderTiny
 from safetensors.torch import save_file
 
 from engine.graph.spec import RunContext
-from engine.models.taesd import TAESDError, find_taesd_decoder, load_taesd_decoder, taesd_preview
+from engine.models.formats import open_checkpoint
+from engine.models.taesd import (
+    TAESDDecoder,
+    TAESDError,
+    find_checkpoint_decoder,
+    find_taesd_decoder,
+    load_taesd_decoder,
+    taesd_preview,
+)
 from engine.previews import make_previewer, preview_options
 from engine.sampling.preview import latent_to_rgb
-from engine.settings import Settings
-from nodes.preview import TAESDDecode, taesd_family
+from engine.settings import Settings, embedded_models_dir
+from nodes import loaders
+from nodes.preview import TAESDDecode, taesd_choices, taesd_family
 
 
 def reference_layout(diffusers_decoder: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -115,3 +124,65 @@ def test_taesd_decode_node_scales_raw_latents_into_the_model_space(models_root):
     assert taesd_family("sub/taesdxl_decoder.pth") == "sdxl"
     with pytest.raises(ValueError, match="cannot tell the latent family of TAESD file 'tiny.safetensors'"):
         taesd_family("tiny.safetensors")
+
+
+def narrow_decoder_file(path: Path, scale: float | None) -> TAESDDecoder:
+    """A width-16, one-Block-per-stage decoder with random weights saved at `path` (scale in the metadata)."""
+    torch.manual_seed(1)
+    decoder = TAESDDecoder(latent_channels=4, width=16, blocks=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in decoder.state_dict().items()}, str(path),
+              metadata=None if scale is None else {"sluice.vae_scale_factor": str(scale)})
+    return decoder.eval()
+
+
+def test_a_narrow_decoder_loads_with_its_width_blocks_and_latent_scale(tmp_path):
+    path = tmp_path / "vae_approx" / "tiny_taesd_decoder.safetensors"
+    reference = narrow_decoder_file(path, 0.5)
+    decoder = load_taesd_decoder(path)
+    assert decoder.latent_scale == 0.5 and decoder[1].weight.shape == (16, 4, 3, 3)
+    assert len(decoder) == 3 + 3 * 3 + 2  # Clamp, conv, ReLU, 3 x (1 Block, upsample, conv), Block, conv
+    latent = torch.randn(1, 4, 3, 5)
+    torch.testing.assert_close(decoder.decode(latent), reference.decode(latent))
+    narrow_decoder_file(tmp_path / "plain" / "taesd_decoder.safetensors", None)
+    assert load_taesd_decoder(tmp_path / "plain" / "taesd_decoder.safetensors").latent_scale is None
+
+
+def test_a_checkpoints_own_decoder_is_preferred_for_its_previews(models_root, tmp_path):
+    root = tmp_path / "models"
+    own = root / "vae_approx" / "mine_taesd_decoder.safetensors"
+    narrow_decoder_file(own, 0.5)
+    (root / "vae_approx" / "taesd_decoder.safetensors").write_bytes(
+        (models_root / "vae_approx" / "taesd_decoder.safetensors").read_bytes())
+    settings = Settings(root, root / "out", None, embedded_models=False)
+    checkpoint = root / "checkpoints" / "mine.safetensors"
+    assert find_checkpoint_decoder(settings, checkpoint) == own
+    assert find_checkpoint_decoder(settings, root / "checkpoints" / "other.safetensors") is None
+    latent = torch.randn(1, 4, 6, 6)
+    frame = make_previewer({}, "sd1", settings, checkpoint)(0, 4, latent)
+    np.testing.assert_array_equal(frame, taesd_preview(load_taesd_decoder(own), latent))
+    other = root / "checkpoints" / "other.safetensors"
+    family_frame = make_previewer({}, "sd1", settings, other)(0, 4, latent)
+    family = load_taesd_decoder(root / "vae_approx" / "taesd_decoder.safetensors")
+    np.testing.assert_array_equal(family_frame, taesd_preview(family, latent))
+
+
+def test_taesd_decode_node_scales_by_the_decoders_own_latent_scale(tmp_path):
+    root = tmp_path / "models"
+    path = root / "vae_approx" / "mine_taesd_decoder.safetensors"
+    decoder = narrow_decoder_file(path, 0.5)
+    context = RunContext("1", settings=Settings(root, root / "out", None, embedded_models=False))
+    raw = torch.randn(1, 4, 4, 4)
+    (images,) = TAESDDecode().run(context, {"samples": raw}, "mine_taesd_decoder.safetensors")
+    torch.testing.assert_close(images, decoder.decode(raw * 0.5).movedim(1, -1))
+
+
+def test_the_embedded_model_ships_a_preview_decoder_listed_for_taesd_decode(tmp_path, monkeypatch):
+    monkeypatch.setattr(loaders, "_settings", Settings(tmp_path, tmp_path, None))  # an empty models root
+    path = embedded_models_dir() / "vae_approx" / "sluice-shapes_taesd_decoder.safetensors"
+    assert path.stat().st_size < 1024 * 1024
+    checkpoint = embedded_models_dir() / "checkpoints" / "sluice-shapes.safetensors"
+    with open_checkpoint(checkpoint) as reader:
+        scale = float(reader.metadata()["sluice.vae_scale_factor"])
+    assert load_taesd_decoder(path).latent_scale == pytest.approx(scale, abs=1e-6)
+    assert "sluice-shapes_taesd_decoder.safetensors" in taesd_choices()
