@@ -536,11 +536,31 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                         help="times a job whose worker died runs again elsewhere (default 2)")
 
 
+RAY_CONNECT_TIMEOUT = 5.0  # seconds to open a TCP connection to --ray ADDRESS before Ray is asked
+
+
+def _check_reachable(address: str) -> None:
+    """Raise ConnectionError when nothing answers at `address` (HOST:PORT, or ray://HOST:PORT): Ray itself
+    retries an unreachable address for minutes without a word."""
+    import socket
+
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not HOST:PORT (e.g. 10.0.0.5:6379, or ray://HOST:10001)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT):
+            pass
+    except OSError as error:
+        raise ConnectionError(f"nothing answers at {target} ({error.strerror or error})") from None
+
+
 def _connect_ray(ray: Any, address: str) -> bool:
     """Connect this process to Ray; False when it already was (then the caller leaves it connected)."""
     if ray.is_initialized():
         return False
     if address != "auto":
+        _check_reachable(address)
         ray.init(address=address, log_to_driver=False)
         return True
     try:

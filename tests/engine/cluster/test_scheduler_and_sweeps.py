@@ -182,3 +182,33 @@ def test_ray_flags_without_ray_say_how_to_install_it(monkeypatch, capsys) -> Non
     assert "pip install 'sluice[cluster]'" in capsys.readouterr().err
     assert main(["run", "any.json", "--sweep", "6.seed=1..2"]) == 2
     assert "--ray" in capsys.readouterr().err
+
+
+class _NeverInitRay:
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, **kwargs) -> None:
+        raise AssertionError(f"ray.init called with {kwargs} for an address nothing answers at")
+
+
+def test_an_address_nothing_answers_at_fails_at_once_naming_it() -> None:
+    import socket
+
+    from app.cli import _connect_ray
+
+    with socket.socket() as listener:  # a port that was just free: nothing listens there once closed
+        listener.bind(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+    with pytest.raises(ConnectionError, match=f"nothing answers at 127.0.0.1:{port}"):
+        _connect_ray(_NeverInitRay(), f"127.0.0.1:{port}")
+    with pytest.raises(ValueError, match="'somewhere' is not HOST:PORT"):
+        _connect_ray(_NeverInitRay(), "somewhere")
+
+
+def test_sluice_run_with_an_unreachable_ray_address_exits_2_naming_it(tmp_path, capsys) -> None:
+    workflow = Path(__file__).resolve().parents[3] / "resources" / "workflows" / "default.json"
+    code = main(["run", str(workflow), "--sweep", "6.seed=1..2", "--ray", "127.0.0.1:1",
+                 "--output", str(tmp_path / "out")])
+    assert code == 2
+    assert "--ray 127.0.0.1:1: cannot connect to Ray: nothing answers at 127.0.0.1:1" in capsys.readouterr().err
