@@ -211,4 +211,5 @@ def test_sluice_run_with_an_unreachable_ray_address_exits_2_naming_it(tmp_path, 
     code = main(["run", str(workflow), "--sweep", "6.seed=1..2", "--ray", "127.0.0.1:1",
                  "--output", str(tmp_path / "out")])
     assert code == 2
-    assert "--ray 127.0.0.1:1: cannot connect to Ray: nothing answers at 127.0.0.1:1" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--ray 127.0.0.1:1: cannot connect to Ray: nothing answers at 127.0.0.1:1" in error
