@@ -86,6 +86,16 @@ def image_ref(path: str, folders: dict[str, str]) -> dict[str, str] | None:
 
 
 @dataclass
+def history_entry(item: QueueItem, outputs: dict, success: bool, messages: list) -> dict[str, Any]:
+    """A finished prompt's /history entry, in ComfyUI's shape."""
+    meta = {node_id: {"node_id": node_id, "display_node": node_id, "parent_node": None,
+                      "real_node_id": node_id} for node_id in outputs}
+    return {"prompt": item.as_list(), "outputs": outputs,
+            "status": {"status_str": "success" if success else "error", "completed": success,
+                       "messages": messages},
+            "meta": meta}
+
+
 class _Job:
     item: QueueItem
     executed: list[str] = field(default_factory=list)
@@ -166,13 +176,7 @@ class EngineThread(threading.Thread):
                 job, job.current_node, type(error).__name__, str(error), traceback.format_exc()), False)
         else:
             self._report_end(job, result)
-        success = result.status == "finished"
-        meta = {node_id: {"node_id": node_id, "display_node": node_id, "parent_node": None,
-                          "real_node_id": node_id} for node_id in job.outputs}
-        entry = {"prompt": item.as_list(), "outputs": job.outputs,
-                 "status": {"status_str": "success" if success else "error", "completed": success,
-                            "messages": job.messages},
-                 "meta": meta}
+        entry = history_entry(item, job.outputs, result.status == "finished", job.messages)
         with self._lock:
             self._job = None
         self.queue.finish(item, entry)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.server.engine_thread import MessageSink, image_ref
+from app.server.engine_thread import MessageSink, history_entry, image_ref
 from app.server.queue import PromptQueue, QueueItem
 from engine.cluster import require_ray
 from engine.cluster.output import write_image
@@ -179,13 +179,7 @@ class RayEngine(threading.Thread):
         for event in outcome.events[prompt.sent:]:
             self._event(prompt, event, outcome.worker, data, saved)
         self._report_end(prompt, outcome)
-        success = outcome.status == "finished"
-        meta = {node_id: {"node_id": node_id, "display_node": node_id, "parent_node": None,
-                          "real_node_id": node_id} for node_id in prompt.outputs}
-        entry = {"prompt": item.as_list(), "outputs": prompt.outputs,
-                 "status": {"status_str": "success" if success else "error", "completed": success,
-                            "messages": prompt.messages},
-                 "meta": meta}
+        entry = history_entry(item, prompt.outputs, outcome.status == "finished", prompt.messages)
         self.queue.finish(item, entry)
         if item.client_id is not None:
             self.sink.send("executing", {"node": None, "prompt_id": item.prompt_id}, item.client_id)
