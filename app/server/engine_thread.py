@@ -85,7 +85,6 @@ def image_ref(path: str, folders: dict[str, str]) -> dict[str, str] | None:
     return None
 
 
-@dataclass
 def history_entry(item: QueueItem, outputs: dict, success: bool, messages: list) -> dict[str, Any]:
     """A finished prompt's /history entry, in ComfyUI's shape."""
     meta = {node_id: {"node_id": node_id, "display_node": node_id, "parent_node": None,
@@ -96,6 +95,7 @@ def history_entry(item: QueueItem, outputs: dict, success: bool, messages: list)
             "meta": meta}
 
 
+@dataclass
 class _Job:
     item: QueueItem
     executed: list[str] = field(default_factory=list)
