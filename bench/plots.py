@@ -36,6 +36,7 @@ class Panel:
     title: str
     xlabel: str
     ylabel: str = ""  # line panels only (a bar panel's rows are its categories)
+    y_from_zero: bool = False  # line panels: the y axis starts at 0 (a small change is not blown up)
     lines: list[Line] = field(default_factory=list)
     categories: list[str] = field(default_factory=list)
     bars: list[Bars] = field(default_factory=list)
@@ -124,6 +125,9 @@ def _matplotlib_lines(axis: object, panel: Panel) -> None:
         axis.plot(xs, ys, formats[line.style], color=color, label=line.label,
                   markersize=3 if len(xs) > 30 else 5)
     axis.set(xlabel=panel.xlabel, ylabel=panel.ylabel)
+    highest = max((y for line in panel.lines for _, y in line.points if _measured(y)), default=0.0)
+    if panel.y_from_zero and highest > 0:
+        axis.set_ylim(0, highest * 1.1)
     if panel.lines:
         axis.legend(fontsize=7)
 
@@ -205,8 +209,10 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
 
 
 def _tick_text(value: float, step: float) -> str:
-    decimals = max(0, -math.floor(math.log10(step))) if step < 1 else 0
-    return f"{value:.{decimals + (1 if step * 10 ** decimals % 1 else 0)}f}"
+    """`value` with as many decimals as the tick step has (2.5 x 10^k has one more)."""
+    decimals = max(0, -math.floor(math.log10(step)))
+    scaled = step * 10**decimals
+    return f"{value:.{decimals + (abs(scaled - round(scaled)) > 1e-6)}f}"
 
 
 def _legend(draw: object, entries: list[tuple[str, str, str]], x0: int, y: int, width: int,
@@ -295,8 +301,9 @@ def _pillow_lines(draw: object, panel: Panel, box: tuple[int, int, int, int], fo
     if not points:
         draw.text((box[0] + 10, box[1] + 10), "nothing measured", fill="black", font=font)
         return []
+    low = 0.0 if panel.y_from_zero else min(y for _, y in points)
     xs, ys = _ticks(min(x for x, _ in points), max(x for x, _ in points)), \
-        _ticks(min(y for _, y in points), max(y for _, y in points))
+        _ticks(min(low, min(y for _, y in points)), max(y for _, y in points))
     to_x = _scale(xs[0], xs[-1], box[0] + 8, box[2] - 8)
     to_y = _scale(ys[0], ys[-1], box[3] - 8, box[1] + 8)
     _x_axis(draw, xs, to_x, box, font)
