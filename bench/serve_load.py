@@ -10,7 +10,8 @@ on a free loopback port, output in a temporary folder), so the RSS is the server
 OMP_NUM_THREADS (1 on a CPU shared with other work, where OpenMP's barriers cost more than a second thread
 gains). Prints a row per --every completed prompts (elapsed seconds, RSS in MiB), then the totals: prompts
 lost, run twice, in the history, and the RSS growth from the 10th prompt to the last ("flat" is what the
-issue asks for).
+issue asks for). Writes serve_load_cpu_<time>.json (every completed prompt's seconds and RSS, the totals) and
+.png (RSS and seconds over completed prompts) under --out.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ import aiohttp
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+
+from plots import Line, Panel, draw  # noqa: E402
 
 from engine.graph.comfy_export import to_api_prompt  # noqa: E402
 from engine.graph.document import Workflow  # noqa: E402
 from engine.settings import resources_dir  # noqa: E402
 from nodes.registry import default_registry  # noqa: E402
 
+RESULTS = ROOT / "bench" / "results"
 MiB = 1024 * 1024
 FIRST_FEW = 10  # RSS growth is measured from this many completed prompts on
 
@@ -160,9 +165,14 @@ async def run(args: argparse.Namespace, folder: Path) -> int:
         print(f"\n{len(ids)} prompts queued, {len(set(ids))} distinct ids; {len(lost)} lost or failed, "
               f"{len(ran_twice)} run twice; history holds {len(history)} ({succeeded} successful)")
         print(f"{elapsed:.1f} s in all, {elapsed / max(1, len(ids)):.3f} s per prompt")
+        growth = (after[-1] - first_few) / MiB
         print(f"RSS after {FIRST_FEW} prompts {first_few / MiB:.1f} MiB, highest after that "
               f"{max(after) / MiB:.1f} MiB, at the end {after[-1] / MiB:.1f} MiB: growth "
-              f"{(after[-1] - first_few) / MiB:+.1f} MiB ({(after[-1] - first_few) / first_few:+.1%})")
+              f"{growth:+.1f} MiB ({(after[-1] - first_few) / first_few:+.1%})")
+        totals = {"prompts": len(ids), "distinct_ids": len(set(ids)), "lost_or_failed": len(lost),
+                  "ran_twice": len(ran_twice), "history": len(history), "successful": succeeded,
+                  "seconds": elapsed, "rss_growth_mib": growth}
+        write_results(args, load.rss, totals)
         return 0 if not lost and not ran_twice and len(history) == len(ids) == args.prompts else 1
     except Exception:
         print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
@@ -175,6 +185,26 @@ async def run(args: argparse.Namespace, folder: Path) -> int:
             process.kill()
 
 
+def write_results(args: argparse.Namespace, rss: list[tuple[int, float, int]], totals: dict) -> None:
+    """The run as `--out/serve_load_cpu_<time>.json` and `.png`: RSS and elapsed seconds over the completed
+    prompts."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"serve_load_cpu_{time.strftime('%Y%m%d_%H%M%S')}"
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"prompts": args.prompts, "clients": args.clients, "steps": args.steps, "threads": args.threads,
+         "totals": totals, "completed": [{"completed": done, "seconds": seconds, "rss_mib": size / MiB}
+                                         for done, seconds, size in rss]}, indent=2))
+    title = (f"sluice serve: {args.prompts} prompts ({args.steps} steps) from {args.clients} clients; "
+             f"{totals['lost_or_failed']} lost or failed, {totals['ran_twice']} run twice")
+    memory = Panel("server memory", "completed prompts", "RSS MiB", y_from_zero=True,
+                   note=f"growth from the {FIRST_FEW}th prompt on: {totals['rss_growth_mib']:+.1f} MiB",
+                   lines=[Line("RSS", [(done, size / MiB) for done, _, size in rss])])
+    pace = Panel("progress", "completed prompts", "seconds since the first was queued",
+                 lines=[Line("seconds", [(done, seconds) for done, seconds, _ in rss])])
+    draw(stem.with_suffix(".png"), [memory, pace], title)
+    print(f"wrote {stem}.json and .png")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=200, help="prompts in all (default 200)")
@@ -182,6 +212,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="sampling steps per prompt (default 20)")
     parser.add_argument("--every", type=int, default=20, help="print a row per this many prompts")
     parser.add_argument("--threads", type=int, help="the server's OMP_NUM_THREADS (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the .json and .png go")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sluice-serve-load-") as folder:
         return asyncio.run(run(args, Path(folder)))
