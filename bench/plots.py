@@ -125,6 +125,10 @@ def _matplotlib_lines(axis: object, panel: Panel) -> None:
         axis.plot(xs, ys, formats[line.style], color=color, label=line.label,
                   markersize=3 if len(xs) > 30 else 5)
     axis.set(xlabel=panel.xlabel, ylabel=panel.ylabel)
+    if all(float(x).is_integer() for line in panel.lines for x, _ in line.points):  # counts: whole ticks
+        from matplotlib.ticker import MaxNLocator
+
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
     highest = max((y for line in panel.lines for _, y in line.points if _measured(y)), default=0.0)
     if panel.y_from_zero and highest > 0:
         axis.set_ylim(0, highest * 1.1)
@@ -197,13 +201,15 @@ def _font(size: int) -> object:
         return ImageFont.load_default()
 
 
-def _ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """Round tick values covering [low, high]: steps of 1, 2, 2.5 or 5 times a power of ten."""
+def _ticks(low: float, high: float, count: int = 5, whole: bool = False) -> list[float]:
+    """Round tick values covering [low, high]: steps of 1, 2, 2.5 or 5 times a power of ten (at least 1 when
+    `whole`: counts)."""
     if not high > low:
         low, high = (low - 1, high + 1) if low == 0 else (low - abs(low) * 0.1, high + abs(high) * 0.1)
     raw = (high - low) / count
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    step = max(step, 1) if whole else step
     first, last = math.floor(low / step), math.ceil(high / step)
     return [i * step for i in range(first, last + 1)]
 
@@ -302,8 +308,9 @@ def _pillow_lines(draw: object, panel: Panel, box: tuple[int, int, int, int], fo
         draw.text((box[0] + 10, box[1] + 10), "nothing measured", fill="black", font=font)
         return []
     low = 0.0 if panel.y_from_zero else min(y for _, y in points)
-    xs, ys = _ticks(min(x for x, _ in points), max(x for x, _ in points)), \
-        _ticks(min(low, min(y for _, y in points)), max(y for _, y in points))
+    whole = all(float(x).is_integer() for x, _ in points)
+    xs = _ticks(min(x for x, _ in points), max(x for x, _ in points), whole=whole)
+    ys = _ticks(min(low, min(y for _, y in points)), max(y for _, y in points))
     to_x = _scale(xs[0], xs[-1], box[0] + 8, box[2] - 8)
     to_y = _scale(ys[0], ys[-1], box[3] - 8, box[1] + 8)
     _x_axis(draw, xs, to_x, box, font)
