@@ -150,8 +150,9 @@ def _matplotlib_bars(axis: object, panel: Panel) -> None:
             errors = [[v - r[0] if r else 0 for _, v, r in kept], [r[1] - v if r else 0 for _, v, r in kept]]
         axis.barh([y for y, _, _ in kept], [v for _, v, _ in kept], height * 0.9, xerr=errors, capsize=2,
                   color=COLORS[index % len(COLORS)], label=bars.label)
-        for y, value, _ in kept:
-            axis.text(value, y, " " + _text(value), va="center", fontsize=7)
+        for y, value, spread in kept:  # the value beyond the bar and its whisker
+            end = max(value, spread[1]) if spread else value
+            axis.text(end, y, " " + _text(value), va="center", fontsize=7)
     if panel.limits:
         first = True
         for category, limit in enumerate(panel.limits):
