@@ -239,6 +239,17 @@ def _legend(draw: object, entries: list[tuple[str, str, str]], x0: int, y: int, 
     return y + 20
 
 
+def _legend_rows(draw: object, labels: list[str], width: int, font: object) -> int:
+    """How many rows _legend takes for `labels` within `width` pixels."""
+    rows, x = 1, 0.0
+    for label in labels:
+        size = 22 + draw.textlength(label, font=font) + 16
+        if x + size > width and x > 0:
+            rows, x = rows + 1, 0.0
+        x += size
+    return rows
+
+
 def _pillow_line(draw: object, points: list[tuple[float, float]], color: str, style: str) -> None:
     if style == "line":
         draw.line(points, fill=color, width=2)
@@ -264,7 +275,10 @@ def _pillow_panel(panel: Panel) -> object:
         height = int(_bar_height(panel) * DPI)
     else:
         left, height = 70, 420
-    image = Image.new("RGB", (PANEL_WIDTH, height + 22 * bool(panel.note)), "white")
+    labels = [bars.label for bars in panel.bars] + [line.label for line in panel.lines]
+    labels += [panel.limit_label] if panel.limits else []
+    legend_rows = _legend_rows(probe, labels, PANEL_WIDTH - 60 - int(left), small)
+    image = Image.new("RGB", (PANEL_WIDTH, height + 22 * bool(panel.note) + 18 * (legend_rows - 1)), "white")
     draw = ImageDraw.Draw(image)
     draw.text((10, 6), panel.title, fill="black", font=font)
     top = 30
@@ -274,7 +288,6 @@ def _pillow_panel(panel: Panel) -> object:
     if panel.lines:  # the y axis's label above the axis
         draw.text((10, top), panel.ylabel, fill="black", font=small)
         top += 22
-    legend_rows = 2 if len(panel.bars or panel.lines) > 3 else 1
     box = (int(left), top, PANEL_WIDTH - 60, image.height - 50 - 18 * legend_rows)
     draw.rectangle(box, outline="black")
     if panel.bars:
