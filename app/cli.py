@@ -757,12 +757,12 @@ def job_memory_line(workflow: Any) -> str:
     """`sluice plan`'s line on the job's own RAM estimate (engine/graph/job_guard.py)."""
     import psutil
 
-    from engine.graph.job_guard import GIB, estimated_peak_bytes, largest_image
+    from engine.graph.job_guard import GIB, job_peak_bytes, largest_image
 
     width, height, batch, scale = largest_image(workflow)
     if not width:
         return "job: no image size in the workflow's widgets"
-    needed, available = estimated_peak_bytes(workflow), psutil.virtual_memory().available
+    needed, available = job_peak_bytes(workflow), psutil.virtual_memory().available
     return (f"job: largest image {width}x{height} x {batch}" + (f" scaled by {scale:g}" if scale > 1 else "")
             + f", about {needed / GIB:.2f} GiB of RAM at its peak ({available / GIB:.1f} GiB available"
             + (", over: `sluice run` refuses it without --force)" if needed > available else ")"))

@@ -11,7 +11,10 @@ The estimate is an upper bound of the largest image: the largest width x height 
 times the square of the largest scale_by factor. A VAEDecode that runs on the CPU keeps about
 DECODE_BYTES_PER_PIXEL per output pixel alive at its last, full-resolution block (128 float32 channels,
 three tensors); on a GPU the decode tiles itself when the device is short, and RAM only holds the images
-(IMAGE_BYTES_PER_PIXEL: float32 RGB, its uint8 copy and the PNG buffers).
+(IMAGE_BYTES_PER_PIXEL: float32 RGB, its uint8 copy and the PNG buffers). A text encoder's prompt adds its
+conditioning: at worst a token per character, 77 positions per 75 tokens, each up to 4096 float32 features
+(T5-XXL's width; CLIP-L + CLIP-G's is 2048), PROMPT_BYTES_PER_CHARACTER in all, so a 50 MB prompt is refused
+before the tokenizer spends minutes on it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from engine.graph.errors import ValidationError
 GIB = 1024**3
 DECODE_BYTES_PER_PIXEL = 3 * 128 * 4
 IMAGE_BYTES_PER_PIXEL = 16
+PROMPT_BYTES_PER_CHARACTER = 77 * 4096 * 4 // 75
 FORCE_KEY = "force_large_jobs"
 
 
@@ -60,23 +64,40 @@ def estimated_peak_bytes(workflow: Workflow, decode_on_cpu: bool | None = None) 
     return int(pixels * per_pixel)
 
 
+def prompt_characters(workflow: Workflow) -> int:
+    """The characters of every text widget of the text encoders (CLIPTextEncode, ...) that run."""
+    return sum(len(value) for node in workflow.nodes.values()
+               if node.mode == "normal" and "TextEncode" in node.type
+               for value in node.widgets.values() if isinstance(value, str))
+
+
+def job_peak_bytes(workflow: Workflow) -> int:
+    """The RAM the job needs at its peak: its largest image and its prompts' conditioning."""
+    return estimated_peak_bytes(workflow) + prompt_characters(workflow) * PROMPT_BYTES_PER_CHARACTER
+
+
 def check_job_memory(workflow: Workflow, available: int | None = None) -> list[ValidationError]:
     """[] when the job's estimate fits the RAM available (psutil's figure unless given) or the workflow
     forces it; else one error with the estimate, the limit and what to change."""
     if workflow.settings.get(FORCE_KEY) is True:
         return []
-    needed = estimated_peak_bytes(workflow)
+    needed = job_peak_bytes(workflow)
     available = psutil.virtual_memory().available if available is None else available
     if needed <= available:
         return []
     width, height, batch, scale = largest_image(workflow)
     size = f"{width}x{height}" + (f" x {batch}" if batch > 1 else "")
     size += f", scaled by {scale:g}" if scale > 1 else ""
+    characters = prompt_characters(workflow)
+    parts = [f"largest image ({size})"] if width else []
+    if characters * PROMPT_BYTES_PER_CHARACTER * 10 >= needed:  # the prompts are a tenth of it or more
+        parts.append(f"prompts ({characters:,} characters)")
     return [ValidationError(
         "too_large",
-        f"this job's largest image ({size}) needs about {needed / GIB:.1f} GiB of RAM, over the "
-        f"{available / GIB:.1f} GiB available now; lower the size or the batch, decode in tiles "
-        f"(VAEDecodeTiled), or run it anyway with `sluice run --force` (settings.{FORCE_KEY})")]
+        f"this job's {' and '.join(parts)} need{'s' if len(parts) == 1 else ''} about {needed / GIB:.1f} GiB "
+        f"of RAM, over the {available / GIB:.1f} GiB available now; lower the size or the batch, shorten the "
+        f"prompts, decode in tiles (VAEDecodeTiled), or run it anyway with `sluice run --force` "
+        f"(settings.{FORCE_KEY})")]
 
 
 # Beyond these a job takes minutes even on a fast GPU (and hours on a CPU): the GUI asks before running it

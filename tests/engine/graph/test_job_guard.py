@@ -51,6 +51,26 @@ def test_a_16384_square_job_is_refused_with_the_estimate_and_what_to_change():
     assert "VAEDecodeTiled" in message and "--force" in message
 
 
+def with_prompt(workflow: Workflow, text: str) -> Workflow:
+    next(node for node in workflow.nodes.values() if node.type == "CLIPTextEncode").widgets["text"] = text
+    return workflow
+
+
+def test_a_50_mb_prompt_is_refused_before_it_is_tokenized_and_an_ordinary_long_one_passes():
+    errors = check_job_memory(with_prompt(text_to_image(512, 512), "a " * 25_000_000), available=24 * GIB)
+    assert [e.kind for e in errors] == ["too_large"]
+    message = errors[0].message
+    assert "prompts (50,000,000 characters)" in message and "shorten the prompts" in message
+    assert "24.0 GiB available" in message
+    assert check_job_memory(with_prompt(text_to_image(512, 512), "a cat, " * 1500), available=24 * GIB) == []
+
+
+def test_a_prompt_of_a_muted_encoder_is_not_counted():
+    workflow = with_prompt(text_to_image(512, 512), "a " * 25_000_000)
+    next(node for node in workflow.nodes.values() if node.type == "CLIPTextEncode").mode = "muted"
+    assert check_job_memory(workflow, available=24 * GIB) == []
+
+
 def test_an_ordinary_job_passes_and_a_forced_one_too():
     assert check_job_memory(text_to_image(512, 512), available=24 * GIB) == []
     huge = text_to_image(16384, 16384, batch=64)
