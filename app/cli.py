@@ -48,6 +48,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     if named and not settings.models_root.exists():
         print(f"sluice: warning: {source}: models folder {settings.models_root} does not exist; only the "
               f"embedded model will be found", file=sys.stderr)
+    settings_file = os.environ.get("SLUICE_SETTINGS")
+    if settings_file and not Path(settings_file).expanduser().exists():
+        print(f"sluice: warning: SLUICE_SETTINGS: settings file {Path(settings_file).expanduser()} does not "
+              f"exist; the defaults apply (the settings dialog saves there)", file=sys.stderr)
     return settings
 
 

@@ -84,10 +84,12 @@ NODE_TYPES = (CliNumber, CliCount, CliWriteText, CliFail, CliInterruptSelf)
 
 @pytest.fixture(autouse=True)
 def no_user_settings(tmp_path, monkeypatch):
-    """The user's settings file and SLUICE_* variables must not leak into these tests."""
+    """The user's settings file and SLUICE_* variables must not leak into these tests: an empty settings file
+    of the test's own."""
     for name in ("SLUICE_MODELS", "SLUICE_OUTPUT", "SLUICE_PLUGINS"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "no-settings.json"))
+    (tmp_path / "empty-settings.json").write_text("{}", encoding="utf-8")
+    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "empty-settings.json"))
 
 
 @pytest.fixture
@@ -316,6 +318,16 @@ def test_a_models_flag_naming_a_file_is_refused_and_a_missing_folder_warned(tmp_
     main(["--models", str(tmp_path / "nowhere"), "validate", str(path)])
     err = capsys.readouterr().err
     assert f"models folder {tmp_path / 'nowhere'} does not exist" in err
+
+
+def test_a_settings_variable_naming_a_missing_file_is_warned_and_the_defaults_apply(tmp_path, plugins,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "typo" / "settings.json"))
+    assert cli(tmp_path, plugins, "validate", str(make_workflow(tmp_path))) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "ok"
+    missing = tmp_path / "typo" / "settings.json"
+    assert f"SLUICE_SETTINGS: settings file {missing} does not exist" in captured.err
 
 
 def test_a_settings_file_that_is_a_folder_is_refused(tmp_path, monkeypatch, capsys):
