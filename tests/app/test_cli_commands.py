@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -330,8 +331,12 @@ def test_a_settings_variable_naming_a_missing_file_is_warned_and_the_defaults_ap
     assert f"SLUICE_SETTINGS: settings file {missing} does not exist" in captured.err
 
 
-def test_a_settings_file_that_is_a_folder_is_refused(tmp_path, monkeypatch, capsys):
-    (tmp_path / "settings.json").mkdir()
+@pytest.mark.parametrize("kind", ["folder", "FIFO"])
+def test_a_settings_file_that_is_a_folder_or_fifo_is_refused(tmp_path, monkeypatch, capsys, kind):
+    if kind == "folder":
+        (tmp_path / "settings.json").mkdir()
+    else:
+        os.mkfifo(tmp_path / "settings.json")  # reading it would block until a writer came
     monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "settings.json"))
     assert main(["validate", str(make_workflow(tmp_path))]) != 0
     assert "is not a regular file" in capsys.readouterr().err
