@@ -268,7 +268,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
-    from engine.graph.job_guard import FORCE_KEY, slow_job_warnings
+    from engine.graph.job_guard import FORCE_KEY, check_device_memory, slow_job_warnings
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -288,8 +288,11 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     for warning in slow_job_warnings(workflow):
         print(f"sluice: warning: this job may take long: {warning}", file=sys.stderr)
     try:
-        configure_memory(args, workflow)
+        runtime = configure_memory(args, workflow)
     except MemorySettingsError as error:
+        print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    for error in check_device_memory(workflow, runtime.devices, runtime.overrides):  # with the CLI's flags
         print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
     executor = Executor(registry.get, bus=bus, settings=settings)
@@ -751,10 +754,27 @@ def command_plan(args: argparse.Namespace) -> int:
         print(plan.format())
     elif not problems:
         print("no model loaders in this workflow")
+    for line in device_memory_lines(workflow, runtime):
+        print(line)
     print(job_memory_line(workflow))
     for problem in problems:  # a missing, corrupt or refused model file: the run would fail on it
         print(f"sluice: cannot plan {problem}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
+
+
+def device_memory_lines(workflow: Any, runtime: Any) -> list[str]:
+    """`sluice plan`'s lines on each compute device's activation peak against its budget (job_guard.py)."""
+    from engine.graph.job_guard import GIB, PHASE_NAMES, device_estimates
+
+    lines = []
+    for estimate in device_estimates(workflow, runtime.devices, runtime.overrides):
+        phases = ", ".join(f"{PHASE_NAMES[p]} {b / GIB:.2f} GiB" for p, b in estimate.phases.items())
+        budget = "no budget (the RAM line below)" if estimate.budget is None else (
+            f"budget {estimate.budget / GIB:.1f} GiB" + (", over: `sluice run` refuses it without --force"
+                                                        if estimate.peak > estimate.budget else ""))
+        lines.append(f"job on {estimate.device}: about {estimate.peak / GIB:.2f} GiB of activations at its "
+                     f"peak ({phases}; {budget})")
+    return lines
 
 
 def job_memory_line(workflow: Any) -> str:
