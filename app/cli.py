@@ -48,6 +48,10 @@ def _settings(args: argparse.Namespace) -> Settings:
     if named and not settings.models_root.exists():
         print(f"sluice: warning: {source}: models folder {settings.models_root} does not exist; only the "
               f"embedded model will be found", file=sys.stderr)
+    settings_file = os.environ.get("SLUICE_SETTINGS")
+    if settings_file and not Path(settings_file).expanduser().exists():
+        print(f"sluice: warning: SLUICE_SETTINGS: settings file {Path(settings_file).expanduser()} does not "
+              f"exist; the defaults apply (the settings dialog saves there)", file=sys.stderr)
     return settings
 
 
@@ -264,7 +268,7 @@ def _placement_printer(quiet: bool) -> Callable[[Any], None]:
 def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     """Load, override, validate and run one workflow headless; the shared body of `run` and `--headless`."""
     from engine.graph.executor import Executor
-    from engine.graph.job_guard import FORCE_KEY, slow_job_warnings
+    from engine.graph.job_guard import FORCE_KEY, check_device_memory, slow_job_warnings
     from engine.graph.validate import validate
     from engine.memory.trace import ChromeTrace
     from engine.telemetry import bus
@@ -284,8 +288,11 @@ def run_workflow(path: str | Path, args: argparse.Namespace) -> int:
     for warning in slow_job_warnings(workflow):
         print(f"sluice: warning: this job may take long: {warning}", file=sys.stderr)
     try:
-        configure_memory(args, workflow)
+        runtime = configure_memory(args, workflow)
     except MemorySettingsError as error:
+        print(f"sluice: invalid: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    for error in check_device_memory(workflow, runtime.devices, runtime.overrides):  # with the CLI's flags
         print(f"sluice: invalid: {error}", file=sys.stderr)
         return EXIT_FAILED
     executor = Executor(registry.get, bus=bus, settings=settings)
@@ -767,22 +774,39 @@ def command_plan(args: argparse.Namespace) -> int:
         print(plan.format())
     elif not problems:
         print("no model loaders in this workflow")
+    for line in device_memory_lines(workflow, runtime):
+        print(line)
     print(job_memory_line(workflow))
     for problem in problems:  # a missing, corrupt or refused model file: the run would fail on it
         print(f"sluice: cannot plan {problem}", file=sys.stderr)
     return EXIT_FAILED if problems else EXIT_OK
 
 
+def device_memory_lines(workflow: Any, runtime: Any) -> list[str]:
+    """`sluice plan`'s lines on each compute device's activation peak against its budget (job_guard.py)."""
+    from engine.graph.job_guard import GIB, PHASE_NAMES, device_estimates
+
+    lines = []
+    for estimate in device_estimates(workflow, runtime.devices, runtime.overrides):
+        phases = ", ".join(f"{PHASE_NAMES[p]} {b / GIB:.2f} GiB" for p, b in estimate.phases.items())
+        budget = "no budget (the RAM line below)" if estimate.budget is None else (
+            f"budget {estimate.budget / GIB:.1f} GiB" + (", over: `sluice run` refuses it without --force"
+                                                        if estimate.peak > estimate.budget else ""))
+        lines.append(f"job on {estimate.device}: about {estimate.peak / GIB:.2f} GiB of activations at its "
+                     f"peak ({phases}; {budget})")
+    return lines
+
+
 def job_memory_line(workflow: Any) -> str:
     """`sluice plan`'s line on the job's own RAM estimate (engine/graph/job_guard.py)."""
     import psutil
 
-    from engine.graph.job_guard import GIB, estimated_peak_bytes, largest_image
+    from engine.graph.job_guard import GIB, job_peak_bytes, largest_image
 
     width, height, batch, scale = largest_image(workflow)
     if not width:
         return "job: no image size in the workflow's widgets"
-    needed, available = estimated_peak_bytes(workflow), psutil.virtual_memory().available
+    needed, available = job_peak_bytes(workflow), psutil.virtual_memory().available
     return (f"job: largest image {width}x{height} x {batch}" + (f" scaled by {scale:g}" if scale > 1 else "")
             + f", about {needed / GIB:.2f} GiB of RAM at its peak ({available / GIB:.1f} GiB available"
             + (", over: `sluice run` refuses it without --force)" if needed > available else ")"))

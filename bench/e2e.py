@@ -57,6 +57,8 @@ from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, TextIO  # noqa: E402
 
+from plots import Bars, Panel, draw  # noqa: E402  (bench/plots.py, beside this file)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 GIB = 1024**3
@@ -298,6 +300,36 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[Row], path: Path, title: str) -> Path:
+    """Per model: s/image cold and warm per mode, and the peak allocated and reserved memory (of the warm
+    runs; cold where a mode has none) against each mode's budget (CUDA only)."""
+    panels = []
+    for model in dict.fromkeys(r.model for r in rows):
+        mine = [r for r in rows if r.model == model]
+        modes = list(dict.fromkeys(f"{r.system} {r.mode}" for r in mine))
+
+        def value(field: str, mode: str, runs: tuple[str, ...], mine: list[Row] = mine) -> float | None:
+            found = [getattr(r, field) for run in runs for r in mine
+                     if f"{r.system} {r.mode}" == mode and r.run == run and getattr(r, field) is not None]
+            return found[0] if found else None
+
+        failed = [m for m in modes if all(r.error is not None for r in mine if f"{r.system} {r.mode}" == m)]
+        note = f"failed: {', '.join(failed)}" if failed else ""
+        seconds = [Bars(run, [value("image_s", m, (run,)) for m in modes]) for run in ("cold", "warm")]
+        times = Panel(f"{model}: seconds per image", "s / image", categories=modes, note=note, bars=seconds)
+        panels.append(times)
+        if not any(r.peak_allocated_gib is not None for r in mine):
+            times.note = "; ".join(filter(None, [note, "peak memory: measured on CUDA only"]))
+            continue
+        budgets = [next((r.budget_gib for r in mine if f"{r.system} {r.mode}" == m), None) for m in modes]
+        panels.append(Panel(f"{model}: peak memory (warm runs)", "GiB", categories=modes, limits=budgets,
+                            limit_label="budget (--max-vram)", bars=[
+                                Bars(label, [value(field, m, ("warm", "cold")) for m in modes])
+                                for label, field in (("peak allocated", "peak_allocated_gib"),
+                                                     ("peak reserved", "peak_reserved_gib"))]))
+    return draw(path, panels, title)
+
+
 def parent(args: argparse.Namespace) -> int:
     import torch
 
@@ -384,6 +416,7 @@ def parent(args: argparse.Namespace) -> int:
          "sampler": SAMPLER, "scheduler": SCHEDULER, "budgets_gib": budgets, "warm_runs": args.warm_runs,
          "unet_only_step_s": unet_only, "rows": [asdict(r) | {"fits": r.fits} for r in rows]}, indent=2))
     print(f"wrote {args.out / stem}.log and .json", flush=True)
+    print(f"wrote {plot(rows, args.out / f'{stem}.png', f'whole generations on {device}, {steps} steps')}")
     return 0 if all(r.error is None for r in rows) else 1
 
 

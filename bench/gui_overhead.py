@@ -18,7 +18,9 @@ headless children alternate, so a busy machine slows both alike. Rows:
   wall time grows with the load, the CPU time much less: it is what an idle machine's wall time approaches).
 
 All children share one profile cache folder, filled by a headless run before the measurements. Prints the
-median over --repeats with the minimum and maximum, and the GUI / headless ratio of the medians.
+median over --repeats with the minimum and maximum, and the GUI / headless ratio of the medians; writes the
+table as gui_overhead_cpu_<time>.log, every measurement as .json and a plot of the medians (whiskers: minimum
+to maximum) as .png under --out.
 
 --threads sets torch's CPU threads in every child (OMP_NUM_THREADS; default: torch's own, one per core): on a
 machine others load too, two OpenMP threads on two cores wait for each other whenever one is descheduled,
@@ -34,9 +36,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plots import Bars, Panel, draw  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 
 HEADLESS_CHILD = """
 import json
@@ -161,12 +169,33 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} s  ({min(values):.2f} .. {max(values):.2f})"
 
 
+def plot(rows: dict[str, list[float]], path: Path, title: str) -> Path:
+    """The medians of the table, headless beside GUI, each with a whisker from the minimum to the maximum."""
+    kinds = (("job, first run", "headless first", "gui first"),
+             ("job, next run (new seed)", "headless next", "gui next"),
+             ("GUI thread CPU, first job", None, "gui cpu first"),
+             ("GUI thread CPU, next job", None, "gui cpu next"),
+             ("start-up to a shown window", None, "start-up"),
+             ("CPU seconds until shown", None, "start-up cpu"))
+    kinds = tuple(kind for kind in kinds if rows[kind[2]])
+
+    def bars(label: str, index: int) -> Bars:
+        keys = [kind[index] for kind in kinds]
+        return Bars(label, [statistics.median(rows[k]) if k else None for k in keys],
+                    [(min(rows[k]), max(rows[k])) if k else None for k in keys])
+
+    panel = Panel("median seconds (whiskers: minimum to maximum)", "seconds",
+                  categories=[kind[0] for kind in kinds], bars=[bars("headless", 1), bars("GUI", 2)])
+    return draw(path, [panel], title)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="children of each kind (default 5)")
     parser.add_argument("--size", default="1600x1000", help="window size, WIDTHxHEIGHT (default 1600x1000)")
     parser.add_argument("--threads", type=int, help="torch CPU threads in every child (default: torch's)")
     parser.add_argument("--no-startup", action="store_true", help="leave out the start-up measurement")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the .log, .json and .png go")
     args = parser.parse_args()
     width, height = (int(part) for part in args.size.lower().split("x"))
     with tempfile.TemporaryDirectory(prefix="sluice-gui-overhead-") as folder:
@@ -199,18 +228,27 @@ def main() -> int:
                   f"{startup['shown']:.2f} s (load average {os.getloadavg()[0]:.1f})", file=sys.stderr,
                   flush=True)
     threads = f"{args.threads} torch thread(s)" if args.threads else "torch's threads"
-    print(f"default workflow, window {width}x{height} offscreen, {args.repeats} repeats, "
-          f"{os.cpu_count()} cores, {threads}; median (min .. max)")
-    print(f"{'':28}{'headless':>28}{'GUI':>30}{'GUI / headless':>16}")
+    title = (f"default workflow, window {width}x{height} offscreen, {args.repeats} repeats, "
+             f"{os.cpu_count()} cores, {threads}")
+    lines = [f"{title}; median (min .. max)", f"{'':28}{'headless':>28}{'GUI':>30}{'GUI / headless':>16}"]
     for label, key in (("job, first run", "first"), ("job, next run (new seed)", "next")):
         headless, gui = rows[f"headless {key}"], rows[f"gui {key}"]
         ratio = statistics.median(gui) / statistics.median(headless)
-        print(f"{label:28}{summary(headless):>28}{summary(gui):>30}{ratio:>15.2f}x")
-    print(f"{'gui thread cpu, first job':28}{'':>28}{summary(rows['gui cpu first']):>30}")
-    print(f"{'gui thread cpu, next job':28}{'':>28}{summary(rows['gui cpu next']):>30}")
+        lines.append(f"{label:28}{summary(headless):>28}{summary(gui):>30}{ratio:>15.2f}x")
+    lines.append(f"{'gui thread cpu, first job':28}{'':>28}{summary(rows['gui cpu first']):>30}")
+    lines.append(f"{'gui thread cpu, next job':28}{'':>28}{summary(rows['gui cpu next']):>30}")
     if rows["start-up"]:
-        print(f"{'start-up to a shown window':28}{'':>28}{summary(rows['start-up']):>30}")
-        print(f"{'  cpu seconds until then':28}{'':>28}{summary(rows['start-up cpu']):>30}")
+        lines.append(f"{'start-up to a shown window':28}{'':>28}{summary(rows['start-up']):>30}")
+        lines.append(f"{'  cpu seconds until then':28}{'':>28}{summary(rows['start-up cpu']):>30}")
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"gui_overhead_cpu_{time.strftime('%Y%m%d_%H%M%S')}"
+    stem.with_suffix(".log").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"repeats": args.repeats, "window": [width, height], "threads": args.threads, "cores": os.cpu_count(),
+         "seconds": rows}, indent=2))
+    plot(rows, stem.with_suffix(".png"), title)
+    print(f"wrote {stem}.log, .json and .png")
     return 0
 
 

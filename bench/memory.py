@@ -16,7 +16,7 @@ is the step time over it. The floor is the least step time any plan within the b
 bandwidth, from the resident run's per-stage times and workspace peaks (engine/memory/stream_model.py,
 floor_seconds): above the physical line where the budget cannot hold the bytes that a UNet's heavy middle
 must have prefetched during its long full-resolution stages; "/ floor" is the step time over it. Writes a
-table, a CSV, a JSON and a PNG (matplotlib if available, else Pillow) to bench/results/.
+table, a CSV, a JSON and a PNG (bench/plots.py: matplotlib if available, else Pillow) to bench/results/.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plots import Line, Panel, draw  # noqa: E402
 
 from engine.devices import GIB, device_name  # noqa: E402
 from engine.memory import profile_cache, stream_model  # noqa: E402
@@ -477,75 +480,22 @@ def format_table(rows: list[Row], header: bool = True) -> str:
 
 
 def plot(rows: list[Row], path: Path) -> Path:
-    """Step time against peak memory per model; points per mode, the physical line and the floor of any plan
-    through the sweep."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return _plot_with_pillow(rows, path)
-    models = list(dict.fromkeys(r.model for r in rows))
-    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    for axis, model in zip(axes[0], models, strict=True):
+    """Step time against peak memory per model: Sluice's points (resident and every budget) and each diffusers
+    mode's, the physical line and the floor of any plan through the sweep (bench/plots.py draws it)."""
+    panels = []
+    for model in dict.fromkeys(r.model for r in rows):
         points = [r for r in rows if r.model == model and r.step_ms is not None]
         sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
-        axis.plot([r.peak_gib for r in sweep], [r.physical_ms for r in sweep], "--", color="grey",
-                  label="max(resident, streamed / bandwidth)")
-        floored = [r for r in sweep if r.floor_ms is not None]
-        axis.plot([r.peak_gib for r in floored], [r.floor_ms for r in floored], ":", color="black",
-                  label="floor of any plan within the budget")
-        for r in points:
-            marker = "o" if r.mode.startswith("sluice") else "s"
-            axis.scatter(r.peak_gib, r.step_ms, marker=marker, label=r.mode)
-        axis.set(title=model, xlabel="peak memory (GiB)", ylabel="ms / step")
-        axis.legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    return path
-
-
-def _plot_with_pillow(rows: list[Row], path: Path) -> Path:
-    from PIL import Image, ImageDraw
-
-    models = list(dict.fromkeys(r.model for r in rows))
-    panel_w, height, margin = 520, 420, 60
-    image = Image.new("RGB", (panel_w * len(models), height), "white")
-    draw = ImageDraw.Draw(image)
-    for index, model in enumerate(models):
-        points = [r for r in rows if r.model == model and r.step_ms is not None and r.peak_gib == r.peak_gib]
-        if not points:
-            continue
-        left = index * panel_w + margin
-        right, top, bottom = (index + 1) * panel_w - 20, 30, height - margin
-        max_x = max(r.peak_gib for r in points) * 1.1 or 1.0
-        max_y = max(max(r.step_ms for r in points), max(r.physical_ms or 0 for r in points)) * 1.1 or 1.0
-
-        def xy(gib: float, ms: float, box: tuple = (left, right, top, bottom, max_x, max_y),
-               ) -> tuple[float, float]:
-            x0, x1, y0, y1, scale_x, scale_y = box
-            return x0 + (x1 - x0) * gib / scale_x, y1 - (y1 - y0) * ms / scale_y
-
-        draw.rectangle([left, top, right, bottom], outline="black")
-        draw.text((left, 8), model, fill="black")
-        span = f"{max_x:.2f} GiB" if max_x >= 0.1 else f"{max_x * 1024:.1f} MiB"
-        draw.text((left, bottom + 20), f"peak memory (0 .. {span})", fill="black")
-        draw.text((left - 55, top), f"{max_y:.0f} ms", fill="black")
-        sweep = sorted((r for r in points if r.physical_ms is not None), key=lambda r: r.peak_gib)
-        if len(sweep) > 1:
-            draw.line([xy(r.peak_gib, r.physical_ms) for r in sweep], fill="grey", width=2)
-        floored = [r for r in sweep if r.floor_ms is not None]
-        if len(floored) > 1:
-            draw.line([xy(r.peak_gib, r.floor_ms) for r in floored], fill="black", width=1)
-        for r in points:
-            x, y = xy(r.peak_gib, r.step_ms)
-            color = "royalblue" if r.mode.startswith("sluice") else "darkorange"
-            draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
-        draw.text((left + 5, top + 5), "blue: sluice, orange: diffusers, grey: physical line, black: floor",
-                  fill="black")
-    image.save(path)
-    return path
+        lines = [Line("max(resident, streamed / bandwidth)", [(r.peak_gib, r.physical_ms) for r in sweep],
+                      "dashed"),
+                 Line("floor of any plan within the budget",
+                      [(r.peak_gib, r.floor_ms) for r in sweep if r.floor_ms is not None], "dotted"),
+                 Line("sluice (resident, budgets)",
+                      [(r.peak_gib, r.step_ms) for r in points if r.mode.startswith("sluice")], "points")]
+        lines += [Line(r.mode, [(r.peak_gib, r.step_ms)], "points") for r in points
+                  if not r.mode.startswith("sluice")]
+        panels.append(Panel(model, "peak memory (GiB)", "ms / step", lines=lines))
+    return draw(path, panels)
 
 
 def main() -> int:

@@ -8,13 +8,15 @@ Random weights (drawn on the GPU, kept in pinned RAM as the checkpoint), every w
 home). Rows: single GPU (cuda0), layer split cuda0&cuda1, row split cuda0&cuda1. Each row: median ms per
 UNet step (CUDA events on cuda0, after the step's work on every device) of --steps after --warmup, the peak
 `torch.cuda.max_memory_allocated` of each device (with --tiny, the ledgers' tracked peak instead) and the
-largest absolute difference of the output from the single-GPU output.
+largest absolute difference of the output from the single-GPU output. Writes
+multi_gpu_[tiny_]<device>_<time>.log, .json and .png (step time and each device's peak per mode) under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import sys
 import time
@@ -23,7 +25,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plots import Bars, Panel, draw  # noqa: E402
 
 from engine.devices import GIB, ComputeDevice, list_devices  # noqa: E402
 from engine.memory.ledger import DeviceLedger  # noqa: E402
@@ -33,6 +38,7 @@ from engine.models.unet import UNetModel, sdxl_unet_config  # noqa: E402
 from engine.placement import MemorySettings  # noqa: E402
 from engine.telemetry import EventBus  # noqa: E402
 
+RESULTS = Path(__file__).resolve().parent / "results"
 TWO = ("cuda0", "cuda1")
 MODES = (("single GPU (cuda0)", ("cuda0",), "layer"), ("layer split cuda0&cuda1", TWO, "layer"),
          ("row split cuda0&cuda1", TWO, "row"))
@@ -123,12 +129,26 @@ def run_mode(runtime: MemoryRuntime, config: UNetConfig, dtype: torch.dtype, wei
     return statistics.median(times), peaks, output
 
 
+def plot(rows: list[dict], path: Path, title: str, unit: str) -> Path:
+    """ms per step per mode (with each split's largest difference from the single-GPU output), and each
+    device's peak per mode."""
+    modes = [row["mode"] for row in rows]
+    note = "largest |difference| from the single GPU's output: " + ", ".join(
+        f"{row['mode'].split()[0]} {row['max_abs_difference']:.3g}" for row in rows[1:])
+    steps = Panel("ms per UNet step", "ms / step", categories=modes, note=note,
+                  bars=[Bars("step", [row["ms"] for row in rows])])
+    per_device = [Bars(device, [row["peaks"][index] for row in rows]) for index, device in enumerate(TWO)]
+    peaks = Panel("peak memory per device", unit, categories=modes, bars=per_device)
+    return draw(path, [steps, peaks], title)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny UNet on two device names on the CPU")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     on_gpu = not args.tiny
     if on_gpu and torch.cuda.device_count() < 2:
@@ -145,25 +165,37 @@ def main() -> None:
     began = time.perf_counter()
     weights = random_weights(config, dtype, draw_on)
     batch = inputs(config, side, dtype, draw_on)
-    rows, reference = [], None
+    rows, reference, measured = [], None, []
     for label, devices, split_mode in MODES:
         ms, peaks, output = run_mode(runtime, config, dtype, weights, devices, split_mode, batch, args.warmup,
                                      args.steps, on_gpu)
         reference = output if reference is None else reference
         scale = 1 if on_gpu else 1024  # GiB on a GPU, MiB for the tiny model
+        difference = (output - reference).abs().max().item()
+        measured.append({"mode": label, "ms": ms, "peaks": [peak * scale for peak in peaks],
+                         "max_abs_difference": difference})
         rows.append((label, f"{ms:.1f}", f"{peaks[0] * scale:.2f}", f"{peaks[1] * scale:.2f}",
-                     f"{(output - reference).abs().max().item():.3g}"))
+                     f"{difference:.3g}"))
         gc.collect()
         if on_gpu:
             torch.cuda.empty_cache()
     peak = "peak GiB" if on_gpu else "ledger peak MiB"
     header = ("mode", "ms/step", f"cuda0 {peak}", f"cuda1 {peak}", "max |diff|")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    print(title)
-    for row in [header, *rows]:
-        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
-    print(f"({args.warmup} warmup + {args.steps} timed steps per mode; {time.perf_counter() - began:.0f} s)")
+    lines = [title] + ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                                 for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+                       for row in [header, *rows]]
+    lines.append(f"({args.warmup} warmup + {args.steps} timed steps per mode; "
+                 f"{time.perf_counter() - began:.0f} s)")
+    print("\n".join(lines))
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"multi_gpu_{'cuda_x2' if on_gpu else 'tiny_cpu'}_{time.strftime('%Y%m%d_%H%M%S')}"
+    stem.with_suffix(".log").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"title": title, "warmup": args.warmup, "steps": args.steps, "peak_unit": peak, "rows": measured},
+        indent=2))
+    plot(measured, stem.with_suffix(".png"), title, peak)
+    print(f"wrote {stem}.log, .json and .png")
 
 
 if __name__ == "__main__":

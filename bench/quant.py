@@ -24,7 +24,7 @@ kernels' program size and warps for the common FLUX types.
 Rows as bench/flux.py (bench/memory.py's table): median step (CUDA events), peak allocated and reserved GiB,
 GiB copied per step. Then issue 17's targets: Q8_0 resident <= 1.10x and Q4_K resident <= 1.25x the bf16
 step, Q4_K at 4 GiB within 1.10x of Q4_K resident, quantising FLUX-dev to Q8_0 on load under 30 s. Results
-go to bench/results/quant_<device>_<date>.json and .log.
+go to bench/results/quant_<device>_<date>.json, .log and .png (step time and peak memory per row).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from memory import (  # noqa: E402
     sluice_run,
     synchronize,
 )
+from plots import Bars, Panel, draw  # noqa: E402
 
 from engine.devices import device_name  # noqa: E402
 from engine.memory.ledger import DeviceLedger  # noqa: E402
@@ -291,6 +292,20 @@ def kernel_lines(kernels: list[dict]) -> list[str]:
             for k in kernels]
 
 
+def plot(rows: list[Row], path: Path, title: str) -> Path:
+    """The rows' step time, and their peak allocated and reserved memory against the streamed point's
+    budget."""
+    modes = [r.mode for r in rows]
+    failed = [r.mode for r in rows if r.step_ms is None]
+    note = f"no step (infeasible or failed): {', '.join(failed)}" if failed else ""
+    steps = Panel("ms per step", "ms / step", categories=modes, note=note,
+                  bars=[Bars("step", [r.step_ms for r in rows])])
+    peaks = Panel("peak memory", "GiB", categories=modes, limits=[r.budget_gib for r in rows],
+                  limit_label="budget", bars=[Bars("peak allocated", [r.peak_gib for r in rows]),
+                                              Bars("peak reserved", [r.reserved_gib for r in rows])])
+    return draw(path, [steps, peaks], title)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -389,7 +404,8 @@ def main() -> int:
         indent=2))
     stem.with_suffix(".log").write_text(format_table(rows) + "\n" + "\n".join(targets) + "\n"
                                         + "".join(f"{k}\n" for k in kernel_lines(kernels)))
-    print(f"wrote {stem}.json and .log")
+    plot(rows, stem.with_suffix(".png"), f"{name} on {device}: quantised weights")
+    print(f"wrote {stem}.json, .log and .png")
     return 0
 
 

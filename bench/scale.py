@@ -7,7 +7,9 @@
 Each row starts a local Ray (`ray.init`, CPUs for --cpu-workers, the GPUs it sees), starts N SluiceWorker
 actors (CPU: one CPU each; --sd15: 1/N of the GPU each, every worker under its own --max-vram), gives each
 one warm-up job (models load: "warm-up s"), then times a sweep of --images seeds through the Scheduler
-("images/s" from the first job given to the last image back) and writes nothing to disk. On a shared GPU
+("images/s" from the first job given to the last image back; the images themselves are not kept). Writes
+scale_[sd15_]<device>_<time>.log, .json and .png (images/s against workers beside linear scaling, and the
+warm-up) under --out. On a shared GPU
 the workers' kernels interleave, so the sweep scales only while one worker leaves the GPU idle (small
 images, the host's share of a step); --max-vram bounds each worker's ledger, not the CUDA caching allocator.
 """
@@ -15,6 +17,7 @@ images, the host's share of a step); --max-vram bounds each worker's ledger, not
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -22,12 +25,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plots import Line, Panel, draw  # noqa: E402
 
 from engine.cluster.scheduler import Job, Scheduler, start_workers  # noqa: E402
 from engine.graph.document import Workflow  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
 
 
 def embedded_workflow(side: int, steps: int) -> Workflow:
@@ -108,6 +115,18 @@ def measure(workflow: Workflow, count: int, images: int, gpus: float, flags: dic
             ray.kill(handle, no_restart=True)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> Path:
+    """images/s against workers beside linear scaling from one worker's rate, and the warm-up seconds."""
+    first = rows[0]["images_per_s"] / rows[0]["workers"]
+    rate = Panel("throughput", "workers", "images / s", y_from_zero=True, lines=[
+        Line("measured", [(r["workers"], r["images_per_s"]) for r in rows]),
+        Line(f"linear (the rate of {rows[0]['workers']} worker(s), per worker)",
+             [(r["workers"], first * r["workers"]) for r in rows], "dashed")])
+    warm = Panel("warm-up (each worker loads the models)", "workers", "seconds", y_from_zero=True,
+                 lines=[Line("warm-up", [(r["workers"], r["warm_up_s"]) for r in rows])])
+    return draw(path, [rate, warm], title)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,6 +138,7 @@ def main() -> int:
     parser.add_argument("--max-vram", default="", help="each worker's --max-vram (GiB; --sd15)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/sluice_scale"),
                         help="where --sd15 writes its checkpoint once")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the .log, .json and .png go")
     args = parser.parse_args()
     import ray
 
@@ -134,16 +154,29 @@ def main() -> int:
         images, side, steps = args.images or 8, args.side or 64, args.steps or 2
         models, workflow, gpus_of, flags = None, embedded_workflow(side, steps), (lambda count: 0.0), {}
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(counts))
-    print(f"{'SD1.5-shaped' if args.sd15 else 'embedded'} model, {side}x{side}, {steps} steps, {images} "
-          f"images a row, {os.cpu_count()} CPUs" + (f", --max-vram {args.max_vram}" if flags else ""))
-    print(f"{'workers':>8} {'warm-up s':>10} {'images/s':>9} {'x 1 worker':>11}")
-    first = math.nan
+    title = (f"{'SD1.5-shaped' if args.sd15 else 'embedded'} model, {side}x{side}, {steps} steps, "
+             f"{images} images a row, {os.cpu_count()} CPUs"
+             + (f", --max-vram {args.max_vram}" if flags else ""))
+    lines = [title, f"{'workers':>8} {'warm-up s':>10} {'images/s':>9} {'x 1 worker':>11}"]
+    print("\n".join(lines), flush=True)
+    first, rows = math.nan, []
     for count in counts:
         warm_up, rate = measure(workflow, count, images, gpus_of(count), flags,
                                 str(models) if models else None)
         first = rate if math.isnan(first) else first
-        print(f"{count:>8} {warm_up:>10.1f} {rate:>9.2f} {rate / first:>11.2f}", flush=True)
+        rows.append({"workers": count, "warm_up_s": warm_up, "images_per_s": rate,
+                     "over_first": rate / first})
+        lines.append(f"{count:>8} {warm_up:>10.1f} {rate:>9.2f} {rate / first:>11.2f}")
+        print(lines[-1], flush=True)
     ray.shutdown()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"scale_{'sd15_cuda' if args.sd15 else 'cpu'}_{time.strftime('%Y%m%d_%H%M%S')}"
+    stem.with_suffix(".log").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"model": "sd15" if args.sd15 else "embedded", "side": side, "steps": steps, "images": images,
+         "max_vram": args.max_vram or None, "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    plot(rows, stem.with_suffix(".png"), title)
+    print(f"wrote {stem}.log, .json and .png")
     return 0
 
 

@@ -12,7 +12,7 @@ OMP_NUM_THREADS (1 on a CPU shared with other work, where OpenMP's barriers cost
 gains). Prints a row per --every completed prompts (elapsed seconds, RSS in MiB), then the totals: prompts
 lost, run twice, in the history, the images in the output folder, and the RSS growth from the 10th prompt
 to the last ("flat" is what the issue asks for). The table goes to --out as serve_load_cpu_<time>.log, the
-rows and totals as .json.
+rows and totals as .json, and RSS and seconds over the completed prompts as .png.
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ import aiohttp
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
+
+from plots import Line, Panel, draw  # noqa: E402
 
 from engine.graph.comfy_export import to_api_prompt  # noqa: E402
 from engine.graph.document import Workflow  # noqa: E402
@@ -211,11 +214,22 @@ async def run(args: argparse.Namespace, folder: Path) -> int:
 
 
 def write_results(args: argparse.Namespace, report: Report, summary: dict) -> None:
+    """The run as `--out/serve_load_cpu_<time>.json`, `.log` and `.png` (RSS and elapsed seconds over the
+    completed prompts)."""
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"serve_load_cpu_{time.strftime('%Y%m%d_%H%M%S')}"
     stem.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     stem.with_suffix(".log").write_text("\n".join(report.lines) + "\n")
-    print(f"wrote {stem}.json and .log")
+    rows = [(row["completed"], row["seconds"], row["rss_bytes"]) for row in summary["rss_rows"]]
+    title = (f"sluice serve: {args.prompts} prompts ({args.steps} steps) from {args.clients} clients; "
+             f"{summary['lost_or_failed']} lost or failed, {summary['run_twice']} run twice")
+    memory = Panel("server memory", "completed prompts", "RSS MiB", y_from_zero=True,
+                   note=f"growth from prompt {FIRST_FEW} on: {summary['rss_growth_bytes'] / MiB:+.1f} MiB",
+                   lines=[Line("RSS", [(done, size / MiB) for done, _, size in rows])])
+    pace = Panel("progress", "completed prompts", "seconds since the first was queued",
+                 lines=[Line("seconds", [(done, seconds) for done, seconds, _ in rows])])
+    draw(stem.with_suffix(".png"), [memory, pace], title)
+    print(f"wrote {stem}.json, .log and .png")
 
 
 def main() -> int:
@@ -225,7 +239,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20, help="sampling steps per prompt (default 20)")
     parser.add_argument("--every", type=int, default=20, help="print a row per this many prompts")
     parser.add_argument("--threads", type=int, help="the server's OMP_NUM_THREADS (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .json and .log")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder for the .json, .log and .png")
     args = parser.parse_args()
     for name in ("prompts", "clients", "steps", "every"):
         if getattr(args, name) < 1:

@@ -46,7 +46,8 @@ def validate(workflow: Workflow, lookup: Lookup, output_dir: Path | None = None)
     """Every problem of `workflow`: unknown types, bad links, type mismatches, missing inputs, bad widget
     values (non-finite numbers anywhere in them), cycles, the absence of an output node, memory settings
     naming a device this machine lacks, an `output_dir` (when given) its saving nodes cannot write
-    (run_checks.py), and (when there is no other) a job too large for this machine's RAM (job_guard.py)."""
+    (run_checks.py), and (when there is no other) a job too large for this machine's RAM or a
+    device's budget (job_guard.py)."""
     errors: list[ValidationError] = []
     graph = build_graph(workflow)
     classes: dict[str, type[NodeType]] = {}

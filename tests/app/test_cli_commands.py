@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +10,7 @@ import pytest
 
 from app.cli import ProgressPrinter, main
 from engine.graph.document import Workflow
+from engine.graph.job_guard import STEPS_WARNING
 from engine.telemetry import EventBus
 
 TEST_NODES = """
@@ -32,7 +34,7 @@ class CliNumber(NodeType):
 class CliCount(NodeType):
     category = "test/cli"
     description = "Counts to `steps`, reporting progress, and outputs value * scale."
-    inputs = (link_input("value", INT), int_input("steps", 20, min=1, max=100), float_input("scale", 1.0))
+    inputs = (link_input("value", INT), int_input("steps", 20, min=1, max=1000), float_input("scale", 1.0))
     outputs = (Output("FLOAT", FLOAT),)
 
     def run(self, ctx, value, steps, scale):
@@ -83,10 +85,12 @@ NODE_TYPES = (CliNumber, CliCount, CliWriteText, CliFail, CliInterruptSelf)
 
 @pytest.fixture(autouse=True)
 def no_user_settings(tmp_path, monkeypatch):
-    """The user's settings file and SLUICE_* variables must not leak into these tests."""
+    """The user's settings file and SLUICE_* variables must not leak into these tests: an empty settings file
+    of the test's own."""
     for name in ("SLUICE_MODELS", "SLUICE_OUTPUT", "SLUICE_PLUGINS"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "no-settings.json"))
+    (tmp_path / "empty-settings.json").write_text("{}", encoding="utf-8")
+    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "empty-settings.json"))
 
 
 @pytest.fixture
@@ -161,6 +165,20 @@ def test_set_value_out_of_range_fails_validation(tmp_path, plugins, capsys):
     assert "5000" in capsys.readouterr().err
 
 
+def test_run_warns_before_a_job_of_too_many_steps_and_still_runs_it(tmp_path, plugins, capsys):
+    path = make_workflow(tmp_path)
+    assert cli(tmp_path, plugins, "run", str(path)) == 0
+    assert "may take long" not in capsys.readouterr().err  # 20 steps: no warning
+    assert cli(tmp_path, plugins, "run", str(path), "--set", "2.steps=200") == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    warning = next(i for i, line in enumerate(lines) if "may take long" in line)
+    assert lines[warning].startswith("sluice: warning: this job may take long: 200 steps (node 2, CliCount)")
+    assert f"over {STEPS_WARNING} steps" in lines[warning]
+    assert warning < next(i for i, line in enumerate(lines) if "[1] CliNumber" in line)  # before it runs
+    assert "step 200/200" in err and Path(out.strip()).exists()  # a warning, not a refusal
+
+
 def test_failed_node_exits_1_with_the_structured_error(tmp_path, plugins, capsys):
     path = make_workflow(tmp_path, sink="CliFail")
     assert cli(tmp_path, plugins, "run", str(path), "--quiet") == 1
@@ -203,7 +221,7 @@ def test_nodes_json_lists_builtin_and_plugin_types_and_failures(tmp_path, plugin
     catalog = json.loads(out)
     by_name = {node["name"]: node for node in catalog["nodes"]}
     assert by_name["CliCount"]["inputs"][1] == {**by_name["CliCount"]["inputs"][1], "name": "steps", "min": 1,
-                                                "max": 100, "default": 20}
+                                                "max": 1000, "default": 20}
     assert "PrimitiveInt" in by_name
     assert [Path(f["path"]).name for f in catalog["plugin_failures"]] == ["zz_broken.py"]
     assert "zz_broken.py" in err and "no luck" in err
@@ -303,8 +321,22 @@ def test_a_models_flag_naming_a_file_is_refused_and_a_missing_folder_warned(tmp_
     assert f"models folder {tmp_path / 'nowhere'} does not exist" in err
 
 
-def test_a_settings_file_that_is_a_folder_is_refused(tmp_path, monkeypatch, capsys):
-    (tmp_path / "settings.json").mkdir()
+def test_a_settings_variable_naming_a_missing_file_is_warned_and_the_defaults_apply(tmp_path, plugins,
+                                                                                    monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "typo" / "settings.json"))
+    assert cli(tmp_path, plugins, "validate", str(make_workflow(tmp_path))) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == "ok"
+    missing = tmp_path / "typo" / "settings.json"
+    assert f"SLUICE_SETTINGS: settings file {missing} does not exist" in captured.err
+
+
+@pytest.mark.parametrize("kind", ["folder", "FIFO"])
+def test_a_settings_file_that_is_a_folder_or_fifo_is_refused(tmp_path, monkeypatch, capsys, kind):
+    if kind == "folder":
+        (tmp_path / "settings.json").mkdir()
+    else:
+        os.mkfifo(tmp_path / "settings.json")  # reading it would block until a writer came
     monkeypatch.setenv("SLUICE_SETTINGS", str(tmp_path / "settings.json"))
     assert main(["validate", str(make_workflow(tmp_path))]) != 0
     assert "is not a regular file" in capsys.readouterr().err

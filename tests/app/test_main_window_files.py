@@ -177,3 +177,23 @@ def test_a_bad_recovery_file_is_reported_and_set_aside_and_the_window_starts(mak
     assert expected in caplog.text
     assert not recovery.exists() and (app_data / "recovery.json.bad").read_bytes() == content
     assert not window.recovery.should_offer()
+
+
+def test_a_bad_recovery_file_restored_by_answering_yes_is_set_aside_and_the_window_starts(
+        make_window, app_data, monkeypatch):
+    from PySide6.QtWidgets import QMessageBox
+
+    from app import main_window
+
+    asked = []
+    monkeypatch.delenv("SLUICE_AUTO_RESTORE", raising=False)
+    monkeypatch.setattr(main_window.QMessageBox, "question",
+                        lambda *args: asked.append(args[1]) or QMessageBox.StandardButton.Yes)
+    app_data.mkdir(parents=True, exist_ok=True)
+    content = b'{"file": null, "workflow": {"format": "sluice-workflow", "meta": "\xff"}}'
+    (app_data / "recovery.json").write_bytes(content)
+    window = make_window(auto_restore=None)  # asks, as a start without SLUICE_AUTO_RESTORE does
+    assert asked == ["Restore unsaved work?"]
+    assert window.scene.workflow.nodes == {}
+    assert "not UTF-8" in window.status_label.text() and "recovery.json.bad" in window.status_label.text()
+    assert (app_data / "recovery.json.bad").read_bytes() == content

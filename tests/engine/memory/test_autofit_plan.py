@@ -1,6 +1,8 @@
 """Auto-fit (reference/000): placement order and reserves in closed-form cases, header-only byte counts, the
 quantiser hook, and `sluice plan` / `sluice devices`."""
 
+import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -175,3 +177,26 @@ def test_sluice_plan_fails_naming_a_missing_or_bad_model_file(models_workflow, c
     captured = capsys.readouterr()
     assert "1/diffusion" in captured.out  # the readable loader is still planned
     assert "bad.safetensors" in captured.err and "CheckpointLoaderSimple" in captured.err
+
+
+class _Payload:
+    """Unpickling it runs `touch marker`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_sluice_plan_fails_naming_a_malicious_pickle_and_never_runs_it(models_workflow, capsys):
+    root, path = models_workflow
+    marker = root / "pwned"
+    (root / "models" / "checkpoints" / "evil.ckpt").write_bytes(pickle.dumps(_Payload(marker), protocol=2))
+    workflow = Workflow.load(path)
+    workflow.add_node("CheckpointLoaderSimple", {"ckpt_name": "evil.ckpt"})
+    workflow.save(path)
+    assert main(["plan", str(path), "--models", str(root / "models")]) == 1
+    err = capsys.readouterr().err
+    assert "evil.ckpt" in err and "refusing to load" in err
+    assert not marker.exists()

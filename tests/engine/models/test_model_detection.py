@@ -514,3 +514,14 @@ def test_inspect_file_reports_configs_and_sizes_as_plain_data(tmp_path):
 def test_model_info_round_trips_to_a_dict():
     info = detect(checkpoint_shapes("sd1", "tiny"))
     assert isinstance(info, ModelInfo) and info.to_dict()["unet"]["model_channels"] == 64
+
+
+def test_the_unet_presets_are_defined_once_and_detection_compares_with_them():
+    from engine.models import detect as detect_module
+    from engine.models import unet
+
+    for name in ("sd15_unet_config", "sd21_unet_config", "sdxl_unet_config", "sdxl_refiner_unet_config"):
+        preset = getattr(detect_module, name)
+        assert getattr(unet, name) is preset and preset.__module__ == "engine.models.detect"
+    assert set(detect_module.UNET_PRESETS.values()) <= {getattr(detect_module, n) for n in dir(detect_module)
+                                                        if n.endswith("_unet_config")}
