@@ -34,7 +34,8 @@ def test_sluice_serve_binds_loopback_serves_into_its_folders_and_stops_on_sigter
     models, output = tmp_path / "models", tmp_path / "output"
     (models / "checkpoints").mkdir(parents=True)
     (models / "checkpoints" / "mine.safetensors").write_bytes(b"{}")
-    env = {**os.environ, "SLUICE_SETTINGS": str(tmp_path / "no-settings.json"), "OMP_NUM_THREADS": "1",
+    (tmp_path / "empty-settings.json").write_text("{}", encoding="utf-8")  # the defaults, without a warning
+    env = {**os.environ, "SLUICE_SETTINGS": str(tmp_path / "empty-settings.json"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     env.pop("SLUICE_AUTH_TOKEN", None)
     process = subprocess.Popen([sys.executable, "-m", "app", "--models", str(models), "--output", str(output),

@@ -199,7 +199,18 @@ def test_ordinary_jobs_pass_under_small_budgets(workflow, budget, monkeypatch):
         assert job_guard.check_device_memory(on(job, backend, f"{device}={budget}"), [FAKE_CUDA, CPU]) == []
 
 
-def test_sluice_run_refuses_a_job_over_the_cli_budget_and_runs_it_with_force(tmp_path, capsys):
+@pytest.fixture
+def own_runtime():
+    """A memory runtime of the test's own: the CLI's --backend and --max-vram go to the process-wide one,
+    and would place later tests' models at the CPU under a 0.1 GiB budget."""
+    from engine.memory.runtime import MemoryRuntime, set_runtime
+
+    previous = set_runtime(MemoryRuntime())
+    yield
+    set_runtime(previous)
+
+
+def test_sluice_run_refuses_a_job_over_the_cli_budget_and_runs_it_with_force(tmp_path, capsys, own_runtime):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "model.safetensors").write_bytes(b"")  # listed; unreadable if it were loaded
     path = tmp_path / "job.json"
@@ -213,7 +224,7 @@ def test_sluice_run_refuses_a_job_over_the_cli_budget_and_runs_it_with_force(tmp
     assert "budget" not in capsys.readouterr().err
 
 
-def test_sluice_plan_prints_each_devices_estimate(tmp_path, capsys):
+def test_sluice_plan_prints_each_devices_estimate(tmp_path, capsys, own_runtime):
     path = tmp_path / "job.json"
     text_to_image(2048, 2048, batch=4).save(path)
     main(["plan", str(path), "--models", str(tmp_path), "--backend", "cpu", "--max-vram", "cpu=0.5"])
