@@ -22,10 +22,12 @@ from typing import Any
 
 from engine.graph.document import Workflow, id_sort_key
 from engine.graph.errors import WorkflowError
+from engine.new_files import wait_for_writes
 from engine.settings import Settings, SettingsError, load_settings, resources_dir, with_memory_defaults
 from nodes.registry import NodeRegistry, default_registry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_WRITE_WAIT_S = 5.0  # how long a second Ctrl+C lets a file being written finish
 
 
 def default_workflow_path() -> Path:
@@ -139,13 +141,15 @@ def apply_overrides(workflow: Workflow, overrides: list[str], lookup: Callable[[
 
 def leave_interrupted(signum: int = signal.SIGINT, frame: Any = None) -> None:
     """Exit 130 now, without a traceback: Ctrl+C during start-up (nothing written yet), or a second Ctrl+C
-    during a job (the abort the first one offers; a file being written then may be left partial)."""
+    during a job (the abort the first one offers). A file being written is finished first (new_files.py), for
+    at most EXIT_WRITE_WAIT_S seconds; one cut off then leaves only its hidden partial file."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
     os.write(2, b"\nsluice: interrupted\n")
+    wait_for_writes(EXIT_WRITE_WAIT_S)  # a PNG being written is finished, not cut off
     os._exit(EXIT_INTERRUPTED)
 
 

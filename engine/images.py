@@ -9,6 +9,7 @@ versions hold the Sluice document under "workflow"; interchange tells the two ap
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image, ImageOps, ImageSequence, PngImagePlugin, UnidentifiedImageError
+
+from engine.new_files import create_file
 
 SLUICE_CHUNK = "sluice-workflow"
 WORKFLOW_CHUNK = "workflow"
@@ -93,9 +96,9 @@ def save_png(image: torch.Tensor, path: str | os.PathLike[str], text: dict[str, 
     info = PngImagePlugin.PngInfo()
     for key, value in (text or {}).items():
         info.add_text(key, value)
-    with open(path, "xb") as file:  # "x" is O_CREAT | O_EXCL: never overwrites, never follows a symbolic link
-        tensor_to_pil(image).save(file, format="PNG", pnginfo=info, compress_level=compress_level)
-    return path
+    encoded = io.BytesIO()
+    tensor_to_pil(image).save(encoded, format="PNG", pnginfo=info, compress_level=compress_level)
+    return create_file(path, encoded.getbuffer())
 
 
 def png_text(path: str | os.PathLike[str]) -> dict[str, str]:

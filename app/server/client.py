@@ -40,6 +40,7 @@ from app.server.files import PathRefused, check_file_name, free_name, subfolder_
 from app.server.main import auth_token
 from engine.graph.comfy_export import to_api_prompt
 from engine.jsonfile import JsonInputError, load_json
+from engine.new_files import create_file
 from engine.settings import Settings
 from engine.telemetry import Event
 
@@ -248,8 +249,6 @@ def keep_image(settings: Settings, subfolder: str, filename: str, data: bytes) -
     while True:
         candidate = folder / free_name(folder, name)
         try:
-            with open(candidate, "xb") as handle:
-                handle.write(data)
-            return candidate
+            return create_file(candidate, data)
         except FileExistsError:
             continue

@@ -18,6 +18,7 @@ import os
 import tempfile
 from pathlib import Path, PurePosixPath
 
+from engine.new_files import create_file
 from engine.settings import Settings
 from nodes.image import input_dir, preview_dir
 
@@ -178,8 +179,7 @@ def _write_upload(folder: Path, target_folder: Path, subfolder: str, name: str, 
     while True:
         candidate = free_name(target_folder, name)
         try:
-            with open(target_folder / candidate, "xb") as handle:  # O_EXCL: never replaces nor follows links
-                handle.write(data)
+            create_file(target_folder / candidate, data)  # never replaces nor follows links
             return candidate
         except FileExistsError:  # another upload took the name in between
             continue

@@ -11,6 +11,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from engine.new_files import create_file
+
 OVERRIDES_CHUNK = "sluice-overrides"
 _COUNTER = re.compile(r"^(?P<prefix>.+)_\d{5,}_(?P<extension>\.[A-Za-z0-9]+)$")
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -38,8 +40,6 @@ def write_image(settings: Any, name: str, data: bytes, overrides: dict[str, str]
     while True:
         path = settings.output_path(prefix, extension)
         try:
-            with open(path, "xb") as file:
-                file.write(data)
-            return path
+            return create_file(path, data)
         except FileExistsError:
             continue

@@ -21,6 +21,7 @@ safetensors format, so saving needs no second copy of the weights.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import struct
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from engine.models.bundles import DiffusionModel, TextEncoder, VAEModel
+from engine.new_files import create_file
 from engine.sampling.model_sampling import VPrediction
 
 DIFFUSION_PREFIX = "model.diffusion_model."
@@ -116,11 +118,8 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     path = Path(path)
-    with open(path, "xb") as file:  # "x": never overwrites, never follows a symbolic link
-        file.write(struct.pack("<Q", len(encoded)) + encoded)
-        for chunk in _tensor_bytes(tensors.values()):
-            file.write(chunk)
-    return path
+    return create_file(path, itertools.chain([struct.pack("<Q", len(encoded)) + encoded],
+                                             _tensor_bytes(tensors.values())))
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor]) -> Iterable[memoryview]:
