@@ -31,6 +31,7 @@ from app import theme
 from app.canvas.clipboard import paste_json, selection_json
 from app.canvas.scene import WorkflowScene
 from app.canvas.view import CanvasView
+from app.gui_garbage import GuiThreadGarbageCollector
 from app.inspector import Inspector
 from app.memory_panel import TraceReplayWindow, install_memory_views
 from app.panels import GalleryList, PalettePanel, QueuePanel, is_testing_node
@@ -803,8 +804,11 @@ def run_gui(settings: Settings) -> int:
     app.setApplicationName("Sluice")
     app.setOrganizationName("Sluice")
     theme.apply_dark_theme(app)
+    collector = GuiThreadGarbageCollector(app)  # Qt objects in cycles must not die on the engine thread
+    collector.start()
     window = MainWindow(settings)
     app.aboutToQuit.connect(window.shutdown)
+    app.aboutToQuit.connect(collector.stop)
     install_excepthook(window)
     window.show()
     return int(app.exec())
