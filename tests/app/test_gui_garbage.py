@@ -4,13 +4,17 @@ the GUI thread (Qt objects destroyed on another thread warn and can crash)."""
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QApplication
 
-from app import main_window
 from app.gui_garbage import GuiThreadGarbageCollector
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _Cyclic:
@@ -66,18 +70,39 @@ def test_without_the_collector_an_engine_thread_collects_qt_objects() -> None:
     assert _Cyclic.collected_on == ["engine-thread"]
 
 
-def test_the_desktop_app_collects_on_the_gui_thread_while_it_runs(app_data, settings, monkeypatch) -> None:
-    monkeypatch.setattr(main_window, "resources_dir", lambda: app_data / "no_resources")
-    monkeypatch.setattr(main_window.MainWindow, "prompt_unsaved", lambda self: "discard")
-    seen = []
+_RUN_THE_APP = """
+import gc, sys
+from pathlib import Path
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+from app import main_window
+from engine.settings import Settings
 
-    def look_then_quit() -> None:
-        seen.append(gc.isenabled())
-        for widget in QApplication.topLevelWidgets():
-            widget.close()
-        QApplication.instance().quit()
+folder = Path(sys.argv[1])
+main_window.resources_dir = lambda: folder / "no_resources"
+main_window.MainWindow.prompt_unsaved = lambda self: "discard"
+seen = []
 
-    QTimer.singleShot(200, look_then_quit)
-    assert main_window.run_gui(settings) == 0
-    assert seen == [False]  # automatic collection was off while the app ran
-    assert gc.isenabled()  # and is on again after it quit
+def look_then_quit():
+    seen.append(gc.isenabled())
+    for widget in QApplication.topLevelWidgets():
+        widget.close()
+    QApplication.instance().quit()
+
+application = QApplication(sys.argv)  # run_gui uses it; the timer needs it first
+QTimer.singleShot(200, look_then_quit)
+code = main_window.run_gui(Settings(models_root=folder / "models", output_dir=folder / "output",
+                                    plugins_dir=None))
+print("exit", code, "enabled while running", seen, "enabled after", gc.isenabled())
+"""
+
+
+def test_the_desktop_app_collects_on_the_gui_thread_while_it_runs(tmp_path) -> None:
+    """In a process of its own: run_gui quits the QApplication, which later tests in this one share."""
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", SLUICE_APP_DATA=str(tmp_path / "app_data"))
+    env.pop("SLUICE_AUTO_RESTORE", None)
+    result = subprocess.run([sys.executable, "-c", _RUN_THE_APP, str(tmp_path)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # automatic collection was off while the app ran, and is on again after it quit
+    assert result.stdout.strip().splitlines()[-1] == "exit 0 enabled while running [False] enabled after True"
