@@ -1,4 +1,8 @@
-"""GUI test fixtures: offscreen Qt, an isolated app data folder, small test node types, a main window."""
+"""GUI test fixtures: offscreen Qt, an isolated app data folder, small test node types, a main window.
+
+Every test here shares one QApplication: a test that quits it (app.main_window.run_gui does, when its
+window closes) must run in a process of its own (see test_gui_garbage.py), or later tests that wait on
+the engine thread time out."""
 
 import os
 
