@@ -19,11 +19,11 @@ Random weights (drawn on the GPU, kept in pinned RAM as the checkpoint). Rows pe
 Each row: median ms per step (CUDA events on cuda0, after every device's work) of --steps after --warmup; per
 device the peak allocated and reserved GiB over the whole row, registration included (with --tiny: the
 ledgers' tracked peak in MiB); MiB moved between the devices per step, counted where the runtime moves them
-(the layer split's state into each part on another device and back to the main one, the row split's input
-copies to the other device and the partial outputs gathered back; counted by device name, so --tiny counts
-them too); the time one copy of that many bytes takes from cuda0 to cuda1 alone; and the output against the
-single GPU's: largest |difference| and the relative RMS difference, a layer split exactly equal, a row split
-within ROW_TOLERANCE.
+(the layer split's state into each part on another device and back to the main one, by torch device, so
+none with --tiny; the row split's input copies to the other device and the partial outputs gathered back,
+by its row slices, so --tiny counts them too); the time one copy of that many bytes takes from cuda0 to
+cuda1 alone; and the output against the single GPU's: largest |difference| and the relative RMS difference,
+a layer split exactly equal, a row split within ROW_TOLERANCE.
 
 Targets (issue 25): a layer split within 1.10x of the single GPU's step plus its copy time; each device's
 peak within its budget. Writes multi_gpu_<device>_<time>.log, .json and .png under --out.
@@ -56,6 +56,7 @@ from memory import random_model_weights  # noqa: E402
 from plots import Bars, Panel, draw  # noqa: E402
 
 from engine.devices import GIB, ComputeDevice, list_devices  # noqa: E402
+from engine.memory import runtime as runtime_module  # noqa: E402
 from engine.memory.layer_split import SPLIT_HEADROOM  # noqa: E402
 from engine.memory.ledger import DeviceLedger  # noqa: E402
 from engine.memory.row_split import RowShardedLinear  # noqa: E402
@@ -200,41 +201,33 @@ def make_runtime(on_gpu: bool, budget: int | None) -> MemoryRuntime:
     return MemoryRuntime(MemorySettings(), devices=devices, bus=bus, ledgers=ledgers)
 
 
-def state_bytes(state: Any) -> int:
+def moved_bytes(state: Any, device: torch.device) -> int:
+    """Bytes of the tensors in `state` (also inside lists, tuples and dicts) that are not yet on `device`."""
     if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
+        return 0 if state.device == device else state.numel() * state.element_size()
     if isinstance(state, dict):
-        return sum(state_bytes(value) for value in state.values())
+        return sum(moved_bytes(value, device) for value in state.values())
     if isinstance(state, (list, tuple)):
-        return sum(state_bytes(value) for value in state)
+        return sum(moved_bytes(value, device) for value in state)
     return 0
 
 
 class CrossDeviceBytes:
-    """Bytes split modules move between their devices, counted by device name where the runtime moves them."""
+    """Bytes split modules move between their devices: the layer split's state copies at its part boundaries
+    (engine.memory.runtime's move_state, by torch device: none between --tiny's two names on the CPU) and
+    the row split's input copies and gathered outputs (by the row slices, so --tiny counts them too)."""
 
     def __init__(self) -> None:
         self.bytes = 0
-        self._last_device: dict[str, str] = {}  # module -> device of its latest part this call
 
     @contextmanager
     def counting(self) -> Iterator[None]:
-        run, run_part, forward = MemoryRuntime.run, MemoryRuntime._run_part, RowShardedLinear.forward
+        move, forward = runtime_module.move_state, RowShardedLinear.forward
         counter = self
 
-        def counted_run(runtime: MemoryRuntime, name: str, *args: Any) -> Any:
-            module = runtime._module(name)
-            counter._last_device[module.name] = module.device.name
-            state = run(runtime, name, *args)
-            if module.split == "layer" and counter._last_device[module.name] != module.device.name:
-                counter.bytes += state_bytes(state)  # back to the main device
-            return state
-
-        def counted_run_part(runtime: MemoryRuntime, module: Any, part: Any, stages: Any, state: Any) -> Any:
-            if module.split == "layer" and part.device.name != counter._last_device.get(module.name):
-                counter.bytes += state_bytes(state)
-            counter._last_device[module.name] = part.device.name
-            return run_part(runtime, module, part, stages, state)
+        def counted_move(state: Any, device: torch.device | str) -> Any:
+            counter.bytes += moved_bytes(state, torch.device(device))
+            return move(state, device)
 
         def counted_forward(linear: RowShardedLinear, x: torch.Tensor) -> torch.Tensor:
             rows_elsewhere = sum(stop - start for start, stop in linear.rows[1:])  # slices after the main's
@@ -243,8 +236,7 @@ class CrossDeviceBytes:
             counter.bytes += tokens * rows_elsewhere * x.element_size()  # their outputs, gathered
             return forward(linear, x)
 
-        with (mock.patch.object(MemoryRuntime, "run", counted_run),
-              mock.patch.object(MemoryRuntime, "_run_part", counted_run_part),
+        with (mock.patch.object(runtime_module, "move_state", counted_move),
               mock.patch.object(RowShardedLinear, "forward", counted_forward)):
             yield
 
@@ -285,7 +277,8 @@ def run_mode(case: Case, mode: Mode, on_gpu: bool, warmup: int, steps: int
     gc.collect()
     if on_gpu:
         for index in range(len(TWO)):
-            torch.cuda.empty_cache()
+            with torch.cuda.device(index):
+                torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(index)
     runtime = make_runtime(on_gpu, mode.budget)
     model = case.build()
