@@ -47,6 +47,7 @@ SPAWNED_AT = time.time()  # this process's first statement: the child's import c
 import argparse  # noqa: E402
 import compileall  # noqa: E402
 import importlib.util  # noqa: E402
+import itertools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
@@ -593,12 +594,19 @@ class Diagnosis:
         self.last_run = spec["warm_runs"]
         self.stem = Path(spec["out"]) / f"diagnosis_{spec['model']}_{spec['mode'].replace(' ', '_')}"
         self.profiler: Any = None
+        self.run_starts: list[int] = []  # the trace's length when each generation began
+        self.reserved_at_start = 0
 
     def before(self, index: int) -> None:
         if index == 0 and self.recording:
             import torch
 
+            self.reserved_at_start = torch.cuda.memory_reserved()
             torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+        if self.recording:
+            import torch
+
+            self.run_starts.append(len(torch.cuda.memory._snapshot()["device_traces"][0]))
         if index == self.last_run and self.recording:
             import torch
 
@@ -636,6 +644,7 @@ class Diagnosis:
             path.write_text("\n".join((
                 "the whole process (cold and warm generations):", live_at_peak(snapshot, 0),
                 "the last generation:", live_at_peak(snapshot, self.last_run_event),
+                reserved_peaks(snapshot, self.reserved_at_start, self.run_starts),
                 live_now(snapshot), f"allocated now {torch.cuda.memory_allocated() / 2**20:.1f} MiB",
                 "ledgers: " + json.dumps(ledgers, default=str)[:4000],
                 segment_summary(torch.cuda.memory_stats()))))
@@ -691,6 +700,35 @@ def live_at_peak(snapshot: dict[str, Any], first_event: int) -> str:
              "blocks alive then, by site:"]
     for site, sizes in sorted(sites.items(), key=lambda kv: -sum(kv[1]))[:40]:
         lines.append(f"  {sum(sizes) / 2**20:9.1f} MiB  {len(sizes):5d} blocks  {site}")
+    return "\n".join(lines)
+
+
+def reserved_peaks(snapshot: dict[str, Any], reserved_at_start: int, run_starts: list[int]) -> str:
+    """Reserved bytes over each generation, from the allocator's segment events (mapped and unmapped pages
+    with expandable segments, whole segments without): the peak, the allocated bytes then, and the
+    allocation whose new segment or pages set the peak, by source line."""
+    events = snapshot["device_traces"][0]
+    grow, shrink = ("segment_alloc", "segment_map"), ("segment_free", "segment_unmap")
+    bounds = [*run_starts, len(events)]
+    reserved, allocated = reserved_at_start, 0
+    lines = ["reserved memory by generation (0 = cold):"]
+    for run, (start, stop) in enumerate(itertools.pairwise(bounds)):
+        peak, at, allocated_then = reserved, None, allocated
+        for e in events[start:stop] if run else events[:stop]:
+            if e["action"] in grow:
+                reserved += e["size"]
+            elif e["action"] in shrink:
+                reserved -= e["size"]
+            elif e["action"] == "alloc":
+                allocated += e["size"]
+            elif e["action"] == "free_completed":
+                allocated -= e["size"]
+            if reserved > peak:
+                peak, at, allocated_then = reserved, e, allocated
+        where = _site(at.get("frames", [])) if at is not None else "(reserved before the generation)"
+        cause = f"a {at['action']} of {at['size'] / 2**20:.1f} MiB" if at is not None else "nothing new"
+        lines.append(f"  run {run}: reserved peak {peak / 2**30:.3f} GiB with {allocated_then / 2**30:.3f} "
+                     f"GiB allocated since the recording began; set by {cause} at {where}")
     return "\n".join(lines)
 
 

@@ -136,3 +136,23 @@ def test_a_real_cpu_ledger_has_a_managed_budget_and_live_memory():
 def test_a_ledger_needs_a_budget_or_a_free_report():
     with pytest.raises(ValueError, match="needs a budget"):
         DeviceLedger("cpu", None)
+
+
+def test_a_cuda_budget_keeps_room_for_what_the_allocator_reserves_beyond_tensors(monkeypatch):
+    """Reserved memory ran 35-127 MiB over the tracked peak of whole jobs (bench/e2e.py, H100): a CUDA
+    ledger with a budget tracks ALLOCATOR_SLACK for it, so plans leave that room; without a budget the live
+    free-memory report already counts it."""
+    from engine.memory import ledger as ledger_module
+
+    cuda = ComputeDevice("cuda0", torch.device("cuda", 0), "gpu", "fake GPU")
+    monkeypatch.setattr(ledger_module, "memory_info", lambda device: (80 * GIB, 79 * GIB))
+    monkeypatch.setattr(ledger_module, "live_free_memory", lambda device: lambda: (80 * GIB, 79 * GIB))
+    monkeypatch.setattr(ledger_module, "use_expandable_segments", lambda: True)
+    monkeypatch.setattr(ledger_module, "cublas_workspace_bytes", lambda device: 32 * MIB)
+
+    budgeted = DeviceLedger.for_device(cuda, 1, bus=EventBus())
+    assert budgeted.tracked("allocator") == ledger_module.ALLOCATOR_SLACK > 0
+    assert budgeted.available() == GIB - ledger_module.ALLOCATOR_SLACK - 2 * 32 * MIB
+    unbudgeted = DeviceLedger.for_device(cuda, None, bus=EventBus())
+    assert unbudgeted.tracked("allocator") == 0
+    assert unbudgeted.tracked("cuBLAS") == 2 * 32 * MIB
