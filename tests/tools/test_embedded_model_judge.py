@@ -1,12 +1,12 @@
 """The embedded model draws what its prompts ask for, judged automatically (tools/shapes_judge.py).
 
 16 one-shape prompts in the data set's training wordings, half with colour/shape pairs never seen in
-training. The thresholds sit above chance (background 1/8, colour 1/7, position 1/9, shape 1/6) and below what
-the shipped model scores on these 16 prompts (background 13/16, colour 10/16, position 9/16, shape 14/16;
-held-out pairs: background 6/8, colour 4/8, position 6/8). Its size, 7/13, is no better than chance (1/2), so
-size is not asserted. It was trained on 4 of the 16 caption templates that the data set now has, before the
-second version's captions (issue 22): a model trained on them should score far higher, and these thresholds
-(and a size threshold) should rise with it.
+training. The thresholds sit far above chance (background 1/8, colour 1/7, position 1/9, size 1/2, shape
+1/6) and two or three prompts below what the shipped model (issue 22's retrain, session 20) scores on these
+16 prompts with torch 2.14 on the CPU: background 15/16, colour 15/16, position 15/16, size 13/13, shape
+16/16; held-out pairs: background 7/8, colour 7/8, position 8/8. The model before the retrain scored
+background 13/16, colour 10/16, position 9/16, shape 14/16 (held-out colour 4/8): it fails each of the
+three model tests below.
 """
 
 from __future__ import annotations
@@ -72,17 +72,18 @@ def test_judge_prompt_groups_hold_out_pairs_and_wordings():
 
 
 def test_embedded_model_draws_the_prompted_background_and_colour(verdicts):
-    assert accuracy(verdicts, "background") >= 0.7
-    assert accuracy(verdicts, "color") >= 0.5
+    assert accuracy(verdicts, "background") >= 0.8
+    assert accuracy(verdicts, "color") >= 0.8
 
 
 def test_embedded_model_places_and_shapes_the_shape(verdicts):
-    assert accuracy(verdicts, "position") >= 0.4
-    assert accuracy(verdicts, "shape") >= 0.7
+    assert accuracy(verdicts, "position") >= 0.75
+    assert accuracy(verdicts, "size") >= 0.8
+    assert accuracy(verdicts, "shape") >= 0.8
 
 
 def test_embedded_model_generalises_to_held_out_colour_shape_pairs(verdicts):
-    assert accuracy(verdicts, "background", held_out=True) >= 0.6
-    assert accuracy(verdicts, "color", held_out=True) >= 0.4
-    assert accuracy(verdicts, "position", held_out=True) >= 0.4
+    assert accuracy(verdicts, "background", held_out=True) >= 0.75
+    assert accuracy(verdicts, "color", held_out=True) >= 0.75
+    assert accuracy(verdicts, "position", held_out=True) >= 0.75
 
