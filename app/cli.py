@@ -586,11 +586,13 @@ def run_sweep(args: argparse.Namespace) -> int:
     import time
 
     from engine.cluster import ClusterError, require_ray
+    from engine.cluster.inputs import job_inputs
     from engine.cluster.output import write_image
     from engine.cluster.scheduler import Job, Scheduler, default_worker_count, model_keys, start_workers
     from engine.cluster.sweep import grid, parse_sweep
     from engine.graph.job_guard import FORCE_KEY
     from engine.graph.validate import validate
+    from nodes.image import input_dir
     from nodes.registry import default_registry
 
     try:
@@ -620,7 +622,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                 print(f"sluice: invalid ({', '.join(sets)}): {error}", file=sys.stderr)
             return EXIT_FAILED
         overrides = dict(text.split("=", 1) for text in sets)
-        jobs.append(Job(index, workflow.dumps(), overrides, model_keys(workflow, registry.get, settings)))
+        jobs.append(Job(index, workflow.dumps(), overrides, model_keys(workflow, registry.get, settings),
+                        inputs=job_inputs(workflow, registry.get, input_dir(settings))))
     flags = {name: getattr(args, name) for name in MEMORY_FLAGS if getattr(args, name, None)}
     try:
         connected = _connect_ray(ray, args.ray)

@@ -55,6 +55,15 @@ def pil_to_tensor(image: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(rgb)[None], mask[None]
 
 
+def jpeg_bytes(image: Any, quality: int = 95) -> bytes:
+    """A preview frame (a PIL image, or an H x W x 3 uint8 array) as JPEG bytes."""
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(np.ascontiguousarray(np.asarray(image, dtype=np.uint8)))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue()
+
+
 def load_image(path: str | os.PathLike[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """An image file -> (IMAGE [F, H, W, 3], MASK [F, H, W]); frames of one size form the batch (EXIF rotation
     applied). Errors name the file."""

@@ -98,6 +98,7 @@ class LoadImage(NodeType):
                    "path); MASK is 1 - alpha (zeros without alpha).")
     inputs = (string_input("image", ""),)
     outputs = (Output("IMAGE", "IMAGE"), Output("MASK", "MASK"))
+    input_files = ("image",)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:

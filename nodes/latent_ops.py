@@ -248,6 +248,7 @@ class LoadLatent(NodeType):
     description = "Loads a .latent file (ComfyUI's format) from the input folder."
     inputs = (combo_input("latent", latent_choices),)
     outputs = (Output("LATENT", "LATENT"),)
+    input_files = ("latent",)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:

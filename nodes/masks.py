@@ -107,6 +107,7 @@ class LoadImageMask(NodeType):
                    "mask; alpha is inverted as in LoadImage (1 where transparent).")
     inputs = (string_input("image", ""), combo_input("channel", MASK_FILE_CHANNELS, "alpha"))
     outputs = (Output("MASK", "MASK"),)
+    input_files = ("image",)
 
     @classmethod
     def fingerprint(cls, settings: Any, **widgets: Any) -> Any:

@@ -14,7 +14,6 @@ interruption to every client and its other messages to none.
 from __future__ import annotations
 
 import gc
-import io
 import os
 import struct
 import threading
@@ -24,13 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
-from PIL import Image
 
 from app.server.queue import PromptQueue, QueueItem
 from engine import telemetry
 from engine.graph.executor import Executor, JobResult
+from engine.images import jpeg_bytes
 from engine.settings import Settings
 from nodes.image import preview_dir
 
@@ -64,13 +62,13 @@ class MessageSink(Protocol):
 
 
 def preview_frame(image: Any) -> bytes:
+    """ComfyUI's binary preview message of a frame (a PIL image or an array)."""
+    return preview_message(jpeg_bytes(image))
+
+
+def preview_message(jpeg: bytes) -> bytes:
     """ComfyUI's binary preview message: event 1, image format 1 (JPEG) as big-endian words, then the JPEG."""
-    if not isinstance(image, Image.Image):
-        image = Image.fromarray(np.ascontiguousarray(np.asarray(image, dtype=np.uint8)))
-    buffer = io.BytesIO()
-    buffer.write(struct.pack(">II", PREVIEW_IMAGE, JPEG))
-    image.convert("RGB").save(buffer, format="JPEG", quality=95)
-    return buffer.getvalue()
+    return struct.pack(">II", PREVIEW_IMAGE, JPEG) + jpeg
 
 
 def image_ref(path: str, folders: dict[str, str]) -> dict[str, str] | None:

@@ -9,9 +9,11 @@ every POLL seconds), execution_cached, executing for each node it starts and pro
 the node running); then, when the prompt ends, the rest: executed for each node that saved images (written
 first into the server's output folder, under a fresh name, so /view serves them) and what followed it, then
 execution_success, execution_error or execution_interrupted, the history entry, the queue's status and
-executing with node null. A prompt whose worker died starts its messages again on the next worker. No
-preview frames come from workers, and PreviewImage's images stay on them. POST /free clears every worker's
-cache; POST /interrupt reaches the worker that runs the prompt.
+executing with node null. Preview frames come with the workers' reports (the latest frame at each poll, as
+binary messages to a client that takes them). A prompt whose worker died starts its messages again on the
+next worker. The input-folder files a prompt names (uploads: LoadImage's image) go with it to its worker,
+whose input folder is its own (engine/cluster/inputs.py). PreviewImage's images stay on the workers. POST
+/free clears every worker's cache; POST /interrupt reaches the worker that runs the prompt.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.server.engine_thread import MessageSink, history_entry, image_ref
+from app.server.engine_thread import MessageSink, history_entry, image_ref, preview_message
 from app.server.queue import PromptQueue, QueueItem
 from engine.cluster import require_ray
+from engine.cluster.inputs import job_inputs
 from engine.cluster.output import write_image
 from engine.cluster.scheduler import Job, Outcome, Scheduler, model_keys
 from engine.cluster.worker import SAVED_EVENT
 from engine.settings import Settings
+from nodes.image import input_dir
 
 POLL = 0.1  # seconds between asking the workers what their prompts did
 
@@ -47,6 +51,7 @@ class _Prompt:
     node: str | None = None  # the node running
     progress: dict[str, Any] | None = None  # the last progress sent
     poll: Any = None  # the report asked of the worker and not yet answered
+    preview: int = -1  # the serial of the worker's last preview frame sent (report's preview_after)
 
 
 class RayEngine(threading.Thread):
@@ -115,7 +120,8 @@ class RayEngine(threading.Thread):
 
     def _start(self, item: QueueItem) -> None:
         job = Job(next(self._numbers), item.workflow.dumps(),
-                  model_keys=model_keys(item.workflow, self.lookup, self.settings))
+                  model_keys=model_keys(item.workflow, self.lookup, self.settings),
+                  inputs=job_inputs(item.workflow, self.lookup, input_dir(self.settings)))
         prompt = _Prompt(item, job)
         with self._lock:
             self._prompts[job.index] = prompt
@@ -132,7 +138,9 @@ class RayEngine(threading.Thread):
                 handle = self.scheduler.worker_of(prompt.job.index)
                 if handle is not None:
                     self._restart_if_retried(prompt)
-                    prompt.poll = handle.report.remote(str(prompt.job.index), prompt.sent)
+                    wants = self.sink.wants_bytes(prompt.item.client_id)
+                    prompt.poll = handle.report.remote(str(prompt.job.index), prompt.sent,
+                                                       prompt.preview if wants else None)
         asked = {prompt.poll: prompt for prompt in prompts if prompt.poll is not None}
         if not asked:
             return
@@ -141,7 +149,7 @@ class RayEngine(threading.Thread):
             prompt = asked[ref]
             prompt.poll = None
             try:
-                worker, events, progress = ray.get(ref)
+                worker, events, progress, frame = ray.get(ref)
             except ray.exceptions.RayError:  # its worker died: the scheduler runs the prompt elsewhere
                 continue
             if self._restart_if_retried(prompt):
@@ -158,6 +166,9 @@ class RayEngine(threading.Thread):
                 self.sink.send("progress", {"value": progress["value"], "max": progress["max"],
                                             "prompt_id": prompt.item.prompt_id, "node": prompt.node},
                                prompt.item.client_id)
+            if prompt.live and frame is not None:
+                prompt.preview = frame[0]
+                self.sink.send_bytes(preview_message(frame[1]), prompt.item.client_id)
 
     @staticmethod
     def _restart_if_retried(prompt: _Prompt) -> bool:
@@ -165,6 +176,7 @@ class RayEngine(threading.Thread):
         if prompt.job.attempts == prompt.attempt:
             return False
         prompt.attempt, prompt.sent, prompt.live, prompt.node = prompt.job.attempts, 0, True, None
+        prompt.preview = -1
         prompt.executed.clear()
         prompt.outputs.clear()
         return True

@@ -35,6 +35,7 @@ class Job:
     overrides: dict[str, str] = field(default_factory=dict)  # "NODE_ID.INPUT" -> value text, as swept
     model_keys: frozenset[str] = frozenset()  # cache signatures of the job's model loaders
     attempts: int = 0  # times a worker died running it
+    inputs: dict[str, bytes] = field(default_factory=dict)  # the input-folder files it reads (inputs.py)
 
 
 @dataclass
@@ -189,7 +190,7 @@ class Scheduler:
             worker = min(able, key=lambda w, keys=job.model_keys: (  # least loaded, then holding the models
                 len(w.running), not (keys and keys <= w.held), w.done))
             del pending[index]
-            worker.running[worker.handle.run.remote(job.document, str(job.index))] = job
+            worker.running[worker.handle.run.remote(job.document, str(job.index), job.inputs)] = job
             worker.held = job.model_keys
 
     def _able(self, job: Job) -> list[_Worker]:

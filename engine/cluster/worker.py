@@ -2,11 +2,13 @@
 stay loaded between jobs (the executor's cache keeps the last job's loaders), and its own budget: the memory
 flags of `sluice run` (--max-vram, --backend, ...) apply per worker, over each workflow's settings["memory"].
 
-A job is a Sluice document as JSON. SaveImage writes into the worker's private temporary folder; the worker
+A job is a Sluice document as JSON, with the input-folder files it reads (engine/cluster/inputs.py), which the
+worker writes into its own input folder. SaveImage writes into the worker's private output folder; the worker
 reads the files back, deletes them and returns their names and bytes, which the driver writes locally, with
 what the job did (each node's start, cache hit and end, the failure), which a server turns into ComfyUI's
-messages; `report(token, since)` gives the running job's events so far and its latest progress, for a server
-to send while the job runs. The class is plain Python (tests run it in-process); scheduler.py makes it an
+messages; `report(token, since, preview_after)` gives the running job's events so far, its latest progress
+and its latest preview frame as JPEG bytes (encoded when asked for, at most once per frame), for a server to
+send while the job runs. The class is plain Python (tests run it in-process); scheduler.py makes it an
 actor with ray.remote.
 
 `model_fit(document)` says, from the model files' headers alone (auto-fit's estimate in engine/memory/
@@ -30,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.cluster.inputs import write_inputs
 
 SAVED_EVENT = "image_saved"  # what SaveImage publishes on the telemetry bus, with path=...
 REPORTED_EVENTS = ("job_started", "node_started", "node_cached", "node_finished", "job_interrupted")
@@ -81,7 +85,9 @@ class SluiceWorker:
         from engine.settings import load_settings
 
         self._folder = Path(tempfile.mkdtemp(prefix="sluice-worker-"))
-        self.settings = load_settings(models_root=models_root, output_dir=self._folder,
+        self._output = self._folder / "output"  # nodes.image.input_dir: "input" beside it
+        self._input = self._folder / "input"
+        self.settings = load_settings(models_root=models_root, output_dir=self._output,
                                       plugins_dir=plugins_dir)
         registry = registry_factory(self.settings)
         self.lookup = registry.get
@@ -97,6 +103,8 @@ class SluiceWorker:
         self._token = ""  # the running job's, as run() was given it
         self._events: list[dict[str, Any]] = []  # the running job's, as WorkerResult.events
         self._progress: dict[str, Any] | None = None  # its latest: node_id, value, max
+        self._preview: tuple[int, Any] | None = None  # its latest frame: (serial, image)
+        self._previews = 0  # frames seen by this worker: the serial of the next
 
     def ping(self) -> str:
         return self.name
@@ -149,17 +157,29 @@ class SluiceWorker:
         self._interrupted_at = time.monotonic()
         self.executor.interrupt()
 
-    def report(self, token: str, since: int) -> tuple[str, list[dict[str, Any]], dict[str, Any] | None]:
-        """(this worker's name, the events from `since` on, the latest progress) of the running job, when it
-        is the one run() was given `token` for; else no events and no progress. A saved image's event has
-        the worker's "path", not yet its "name"."""
+    def report(self, token: str, since: int, preview_after: int | None = None
+               ) -> tuple[str, list[dict[str, Any]], dict[str, Any] | None, tuple[int, bytes] | None]:
+        """(this worker's name, the events from `since` on, the latest progress, the latest preview frame
+        as (serial, JPEG bytes) when its serial is above `preview_after`, None without it) of the running job,
+        when it is the one run() was given `token` for; else no events, progress or frame. A saved image's
+        event has the worker's "path", not yet its "name"."""
         with self._report_lock:
             if not token or token != self._token:
-                return self.name, [], None
-            return self.name, [dict(event) for event in self._events[since:]], self._progress
+                return self.name, [], None, None
+            events, progress = [dict(event) for event in self._events[since:]], self._progress
+            preview = self._preview
+        frame = None
+        if preview is not None and preview_after is not None and preview[0] > preview_after:
+            from engine.images import jpeg_bytes
 
-    def run(self, document: str, token: str = "") -> WorkerResult:
-        """Run one job; `token` names it for report()."""
+            try:
+                frame = (preview[0], jpeg_bytes(preview[1]))
+            except (ValueError, TypeError, OSError):  # a frame that is not an image: none
+                frame = None
+        return self.name, events, progress, frame
+
+    def run(self, document: str, token: str = "", inputs: dict[str, bytes] | None = None) -> WorkerResult:
+        """Run one job; `token` names it for report(); `inputs` are the input-folder files it reads."""
         from engine import telemetry
         from engine.graph.document import Workflow
         from engine.placement import PlacementError
@@ -172,7 +192,7 @@ class SluiceWorker:
             saved: list[str] = []
             events: list[dict[str, Any]] = []
             with self._report_lock:
-                self._token, self._events, self._progress = token, events, None
+                self._token, self._events, self._progress, self._preview = token, events, None, None
 
             def collect(event: Any) -> None:
                 if event.kind == SAVED_EVENT and event.get("path") is not None:
@@ -185,9 +205,14 @@ class SluiceWorker:
                 elif event.kind == "progress":
                     self._progress = {"node_id": event.get("node_id"), "value": event.get("value"),
                                       "max": event.get("max")}
+                elif event.kind == "preview" and event.get("image") is not None:
+                    with self._report_lock:
+                        self._previews += 1
+                        self._preview = (self._previews, event.get("image"))
 
             unsubscribe = telemetry.bus.subscribe(collect)
             try:
+                write_inputs(self._input, inputs or {})
                 workflow = Workflow.loads(document)
                 memory = dict(workflow.settings.get("memory", {}))
                 if memory != self._memory:
@@ -197,17 +222,21 @@ class SluiceWorker:
                 self.executor.forget(list(result.outputs))  # a repeated job saves its images again
             except PlacementError as error:
                 return WorkerResult("invalid", message=f"invalid memory settings: {error}", worker=self.name)
+            except (ValueError, OSError) as error:  # an input file that cannot be written
+                if isinstance(error, ValueError) and "input file" not in str(error):
+                    raise
+                return WorkerResult("failed", message=f"input files: {error}", worker=self.name)
             except Exception as error:  # an engine bug fails this job, not the worker
                 return WorkerResult("failed", message=f"{type(error).__name__}: {error}\n"
                                     f"{traceback.format_exc()}", worker=self.name)
             finally:
                 unsubscribe()
                 with self._report_lock:
-                    self._token = ""
+                    self._token, self._preview = "", None
                 images = self._take(saved)
                 for event in events:
                     if event["kind"] == SAVED_EVENT:
-                        event["name"] = Path(event.pop("path")).relative_to(self._folder).as_posix()
+                        event["name"] = Path(event.pop("path")).relative_to(self._output).as_posix()
             failure = None if result.failure is None else {
                 name: str(getattr(result.failure, name))
                 for name in ("node_id", "node_type", "exception_type", "message", "traceback")}
@@ -228,7 +257,7 @@ class SluiceWorker:
         images = []
         for path in paths:
             file = Path(path)
-            images.append((file.relative_to(self._folder).as_posix(), file.read_bytes()))
+            images.append((file.relative_to(self._output).as_posix(), file.read_bytes()))
             file.unlink()
         return images
 

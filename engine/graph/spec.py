@@ -183,6 +183,9 @@ class NodeType:
     output_node: ClassVar[bool] = False
     # Model-bearing loaders declare which memory-runtime module they load (e.g. "diffusion", "te", "vae").
     memory_module: ClassVar[str | None] = None
+    # Widgets whose value names a file in the input folder (LoadImage's image): a job sent to a cluster
+    # worker carries those files, since the worker's input folder is its own (engine/cluster/inputs.py).
+    input_files: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -1,7 +1,8 @@
 """`sluice serve --ray`: the server's prompts run on two local Ray CPU workers (app/server/ray_backend.py)
 behind the same API: two prompts queued at once both finish with ComfyUI's messages in order, /history holds
-both and /view serves their images; an interrupt reaches the worker; without Ray, --ray says how to install
-it."""
+both and /view serves their images; preview frames and progress come while a worker samples, and an
+interrupt reaches it; an uploaded image reaches the worker that loads it; without Ray, --ray says how to
+install it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import aiohttp
 import numpy as np
 import pytest
 from PIL import Image
-from serve_client import default_prompt, queue_and_follow, request
+from serve_client import default_prompt, preview_header, queue_and_follow, request
 
 from app.cli import main
 from app.server.server import BackgroundServer, ServerOptions, SluiceServer
@@ -106,6 +107,8 @@ def test_progress_comes_while_the_worker_samples_and_an_interrupt_reaches_it(ray
     url, _ = ray_server
     prompt = {"prompt": _prompt(serve_registry.get, 3, steps=10000), "client_id": "sampler"}
 
+    frames: list[bytes] = []
+
     async def interrupted() -> tuple[str, list[dict]]:
         messages: list[dict] = []
         interrupted_at = None
@@ -114,9 +117,12 @@ def test_progress_comes_while_the_worker_samples_and_an_interrupt_reaches_it(ray
                 async with session.post(f"{url}/prompt", json=prompt) as answer:
                     prompt_id = (await answer.json())["prompt_id"]
                 async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        frames.append(message.data)
+                        continue
                     messages.append(json.loads(message.data))
                     kind, data = messages[-1]["type"], messages[-1]["data"]
-                    if kind == "progress" and interrupted_at is None:  # sampling, reported live: interrupt it
+                    if kind == "progress" and frames and interrupted_at is None:  # sampling, live: interrupt
                         interrupted_at = data["value"]
                         async with session.post(f"{url}/interrupt", json={"prompt_id": prompt_id}) as reply:
                             assert reply.status == 200
@@ -125,6 +131,9 @@ def test_progress_comes_while_the_worker_samples_and_an_interrupt_reaches_it(ray
         raise AssertionError("the websocket closed before the prompt ended")
 
     prompt_id, messages = asyncio.run(asyncio.wait_for(interrupted(), 120))
+    assert frames and all(preview_header(frame) == (1, 1) for frame in frames)  # PREVIEW_IMAGE, JPEG
+    with Image.open(io.BytesIO(frames[-1][8:])) as image:
+        assert image.format == "JPEG" and image.size == (SIDE, SIDE)
     types = [message["type"] for message in messages if message["type"] != "status"]
     sampler = next(index for index, message in enumerate(messages)
                    if message["type"] == "executing" and message["data"]["node"] == "6")
@@ -136,6 +145,29 @@ def test_progress_comes_while_the_worker_samples_and_an_interrupt_reaches_it(ray
     (stopped,) = [message["data"] for message in messages if message["type"] == "execution_interrupted"]
     assert stopped["node_type"] == "KSampler" and stopped["node_id"] == "6"
     assert request("GET", f"{url}/history/{prompt_id}").json()[prompt_id]["status"]["status_str"] == "error"
+
+
+def test_an_uploaded_image_reaches_the_worker_that_loads_it(ray_server, serve_settings) -> None:
+    url, _ = ray_server
+    pixels = np.zeros((16, 24, 3), dtype=np.uint8)
+    pixels[:, :12] = (250, 10, 60)
+    upload = io.BytesIO()
+    Image.fromarray(pixels).save(upload, format="PNG")
+    form = aiohttp.FormData()
+    form.add_field("image", upload.getvalue(), filename="ray-upload.png", content_type="image/png")
+    form.add_field("subfolder", "shared")
+    reply = request("POST", f"{url}/upload/image", data=form)
+    assert reply.status == 200, reply.body
+    assert reply.json() == {"name": "ray-upload.png", "subfolder": "shared", "type": "input"}, reply.json()
+    assert (serve_settings.output_dir.parent / "input" / "shared" / "ray-upload.png").is_file()
+    prompt = {"1": {"class_type": "LoadImage", "inputs": {"image": "shared/ray-upload.png"}},
+              "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "loaded"}}}
+    _, messages = asyncio.run(queue_and_follow(url, prompt))
+    assert messages.of("execution_success"), messages.messages
+    (executed,) = messages.of("executed")
+    (ref,) = executed["output"]["images"]
+    with Image.open(io.BytesIO(request("GET", f"{url}/view", params=ref).body)) as image:
+        assert np.array_equal(np.asarray(image.convert("RGB")), pixels)
 
 
 def test_a_prompt_whose_worker_dies_runs_on_another_or_fails_when_none_is_left(

@@ -75,7 +75,7 @@ class FakeWorker:
         self.ran: list[str] = []
         self.asked: list[str] = []  # documents whose model_fit it was asked
         self.model_fit = SimpleNamespace(remote=lambda document: FitRef(self, document))
-        self.run = SimpleNamespace(remote=lambda document, token: (self, document))
+        self.run = SimpleNamespace(remote=lambda document, token, inputs: (self, document))
         self.interrupt = SimpleNamespace(remote=lambda: None)
 
 
