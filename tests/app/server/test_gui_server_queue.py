@@ -146,7 +146,7 @@ def test_cancel_and_interrupt_from_the_window_reach_the_server(qtbot, make_defau
     window.runs.cancel(waiting_job)  # pending here: it never reaches the server
     assert window.runs.statuses[waiting_job] == "cancelled"
     window.interrupt()
-    assert wait_for_status(qtbot, window, long_job) == "interrupted"
+    assert wait_for_status(qtbot, window, long_job, timeout=30_000) == "interrupted"
     assert interrupts and interrupts[0][2] == SAMPLER
     assert [event["node_id"] for event in events if event.kind == "job_interrupted"] == [SAMPLER]
     assert window.status_label.text() == "Interrupted"
