@@ -169,3 +169,46 @@ def test_the_queue_runs_here_again_when_the_setting_says_this_machine(qtbot, mak
     assert type(window.runs.worker) is EngineWorker
     assert not window.memory_panel.remote_label.isVisibleTo(window.memory_panel)
     assert window.status_label.text() == "Jobs run on this machine"
+
+
+
+def submit_as_queued(window, workflow):
+    """Send `workflow` to the window's worker as Queue would, without the window's own validation (which
+    would refuse what the server should refuse here)."""
+    job_id = window.runs.worker.submit(workflow, "Job")
+    window.runs.labels[job_id] = "Job"
+    return job_id
+
+
+def test_a_prompt_the_server_refuses_marks_the_node_it_names(qtbot, make_default_window, start_server):
+    url, server = start_server()
+    window = make_default_window()
+    point_queue_at(window, url)
+    workflow = window.scene.workflow.copy()
+    workflow.nodes["1"].widgets["ckpt_name"] = "not-on-the-server.safetensors"
+
+    job_id = submit_as_queued(window, workflow)
+    assert wait_for_status(qtbot, window, job_id, timeout=30_000) == "invalid", window.status_label.text()
+    assert list(window.runs.node_errors) == ["1"]
+    assert "not-on-the-server.safetensors" in window.runs.node_errors["1"][0]
+    assert window.status_label.text() == "Not run: the workflow is invalid"
+    assert server.queue.history() == {}
+
+
+def test_a_node_that_fails_on_the_server_is_marked_and_reported(qtbot, make_default_window, start_server):
+    url, _ = start_server()
+    window = make_default_window()
+    point_queue_at(window, url)
+    workflow = window.scene.workflow.copy()
+    workflow.nodes[SAMPLER].widgets["steps"] = 2
+    failing = workflow.add_node("ServeFail").id  # a test node type of the server's alone
+    workflow.connect("7", 0, failing, "value", "IMAGE")
+    failures = []
+    window.runs.node_failed.connect(lambda *failure: failures.append(failure))
+
+    job_id = submit_as_queued(window, workflow)
+    assert wait_for_status(qtbot, window, job_id) == "failed", window.status_label.text()
+    assert window.runs.node_errors == {failing: ["RuntimeError: the test node failed on purpose"]}
+    (failure,) = failures
+    assert failure[:2] == (f"node {failing}", "RuntimeError: the test node failed on purpose")
+    assert "raise RuntimeError" in failure[2]  # the server's traceback
