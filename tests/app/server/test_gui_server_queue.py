@@ -7,6 +7,7 @@ import socket
 
 import numpy as np
 from PIL import Image
+from serve_client import request
 
 from app.queue_target import QueueTarget, set_queue_target
 from app.server.server import BackgroundServer, ServerOptions, SluiceServer
@@ -212,3 +213,25 @@ def test_a_node_that_fails_on_the_server_is_marked_and_reported(qtbot, make_defa
     (failure,) = failures
     assert failure[:2] == (f"node {failing}", "RuntimeError: the test node failed on purpose")
     assert "raise RuntimeError" in failure[2]  # the server's traceback
+
+
+def test_interrupt_of_a_job_waiting_in_the_servers_queue_takes_it_out(qtbot, make_default_window,
+                                                                       start_server, release):
+    """Another client's prompt runs on the server; the window's job waits behind it until interrupted, which
+    removes it from the server's queue and leaves the other prompt running."""
+    url, server = start_server()
+    waiting = {"1": {"class_type": "ServeWait", "inputs": {}}}
+    other_id = request("POST", f"{url}/prompt", json={"prompt": waiting}).json()["prompt_id"]
+    qtbot.waitUntil(lambda: server.engine.executing()[1] == other_id, timeout=10_000)
+    window = make_default_window()
+    point_queue_at(window, url)
+
+    job_id = window.queue()
+    qtbot.waitUntil(lambda: len(server.queue.pending()) == 1, timeout=10_000)
+    window.interrupt()
+    assert wait_for_status(qtbot, window, job_id, timeout=30_000) == "interrupted"
+    assert server.queue.pending() == []
+    assert server.engine.executing()[1] == other_id
+    release.set()
+    qtbot.waitUntil(lambda: other_id in server.queue.history(), timeout=10_000)
+    assert list(server.queue.history()) == [other_id]
