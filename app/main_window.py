@@ -309,6 +309,8 @@ class MainWindow(QMainWindow):
         self.scene.note_edit_requested.connect(self._edit_note)
         self.runs.node_failed.connect(self._node_failed)
         self.runs.busy_changed.connect(self._slow_dock_timers)
+        self.runs.target_changed.connect(self._queue_target_changed)
+        self.memory_panel.set_remote_queue(self.runs.target.server)
         self.view.search_requested.connect(self.open_search)
         self.view.files_dropped.connect(self._files_dropped)
         self.palette.tree.add_requested.connect(self._palette_add)
@@ -753,6 +755,12 @@ class MainWindow(QMainWindow):
         self._apply_preferences()
         self.scene.update()  # model choices may list another folder now
         self.show_message(f"Settings saved; models from {self.settings.models_root}")
+        self.runs.apply_queue_target()
+
+    @Slot()
+    def _queue_target_changed(self) -> None:
+        self.memory_panel.set_remote_queue(self.runs.target.server)
+        self.show_message(f"Jobs run on {self.runs.target.describe()}")
 
     def _apply_preferences(self) -> None:
         self.view.left_drag_selects = left_drag_selects(self.app_settings)

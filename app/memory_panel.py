@@ -409,6 +409,11 @@ class MemoryPanel(QWidget):
         self.layout_ = QVBoxLayout(self)
         self.layout_.setContentsMargins(4, 4, 4, 4)
         self.layout_.setSpacing(4)
+        self.remote_label = QLabel(self)  # set_remote_queue: the jobs run on a server
+        self.remote_label.setWordWrap(True)
+        self.remote_label.setStyleSheet(f"color: {TEXT}; padding: 2px 6px; font-size: 9pt;")
+        self.remote_label.hide()
+        self.layout_.addWidget(self.remote_label)
         top = QHBoxLayout()
         self.devices_box = QVBoxLayout()
         top.addLayout(self.devices_box, 3)
@@ -440,6 +445,13 @@ class MemoryPanel(QWidget):
         self.timer.setInterval(int(1000 / refresh_hz))
         self.timer.timeout.connect(self.on_timer)
         self.timer.start()
+
+    def set_remote_queue(self, server: str | None) -> None:
+        """Say, above the plots, that queued jobs run on `server` (None: on this machine, no note): the plots
+        show this machine's memory, which a server's jobs do not use."""
+        self.remote_label.setText(f"Jobs run on the server at {server}: this panel shows this machine's "
+                                  f"memory, which they do not use." if server else "")
+        self.remote_label.setVisible(server is not None)
 
     def set_planned(self, placement: WorkflowPlacement | None) -> None:
         """Show where the workflow's models will go (before the first run, and beside every run)."""

@@ -164,6 +164,12 @@ class QueuePanel(QWidget):
         while self.jobs.count() > 50:
             self.jobs.takeItem(self.jobs.count() - 1)
 
+    def set_job_note(self, job_id: str, text: str) -> None:
+        """What a job's line says when hovered (why it failed)."""
+        item = self._item(job_id)
+        if item is not None:
+            item.setToolTip(text)
+
     def state_of(self, job_id: str) -> str | None:
         item = self._item(job_id)
         return None if item is None else item.data(Qt.ItemDataRole.UserRole + 1)

@@ -7,12 +7,16 @@ new seeds, undo brings back the seed of a run one liked, and the title shows '*'
 
 A job runs the document with the settings file's default memory settings under its own (engine/settings.py).
 A failed node is reported by `node_failed(title, message, traceback)` for the window's dialog.
+
+Where jobs run is the settings file's queue target (app/queue_target.py): this machine's EngineWorker, or a
+ServerWorker that sends them to a running `sluice serve` (where the server's memory settings apply). A new
+target applies to the jobs queued once no job runs or waits: the jobs already queued finish where they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QObject, QTimer, Signal, Slot
 from PySide6.QtGui import QImage
@@ -23,6 +27,7 @@ from app.canvas.scene import WorkflowScene
 from app.gui_words import gui_message
 from app.inspector import Inspector
 from app.panels import GalleryList, QueuePanel
+from app.queue_target import QueueTarget, queue_target
 from app.worker import EngineWorker
 from engine.graph.executor import JobResult, advance_seeds
 from engine.graph.job_guard import slow_job_warnings
@@ -30,6 +35,9 @@ from engine.graph.validate import validate
 from engine.settings import with_memory_defaults
 from engine.telemetry import Event
 from nodes.registry import NodeRegistry
+
+if TYPE_CHECKING:
+    from app.server_worker import ServerWorker
 
 IMAGE_EVENTS = ("image_saved", "image_preview")
 PROGRESS_BAR_MS = 100  # the overall progress bar moves at most this often (see _set_progress)
@@ -42,6 +50,7 @@ class RunController(QObject):
     job_done = Signal(str, str)  # job id, status: a GUI-thread relay of the worker's job_finished
     node_failed = Signal(str, str, str)  # node title, "ExceptionType: message", traceback
     busy_changed = Signal(bool)  # a job started while none ran (True); the last job ended (False)
+    target_changed = Signal()  # the jobs queued from now run on `target`, a new one
 
     def __init__(self, scene: WorkflowScene, registry: NodeRegistry, settings: Any, queue_panel: QueuePanel,
                  gallery: GalleryList, inspector: Inspector, progress_bar: QProgressBar,
@@ -67,12 +76,37 @@ class RunController(QObject):
         self._progress_timer.timeout.connect(self._show_progress)
         self._events_timer = QTimer(self, singleShot=True, interval=EVENTS_MS)
         self._events_timer.timeout.connect(self.take_events)
-        self.worker = EngineWorker(registry.get, settings)
-        self.worker.relay.events_ready.connect(self.on_events_ready)
-        self.worker.job_started.connect(self.on_job_started)
-        self.worker.job_finished.connect(self.on_job_finished)
+        self.target = queue_target(settings)
+        self.worker = self._start_worker(self.target)
         queue_panel.cancel_requested.connect(self.cancel)
-        self.worker.start()
+
+    def _start_worker(self, target: QueueTarget) -> EngineWorker | ServerWorker:
+        if target.server is None:
+            worker = EngineWorker(self.registry.get, self.settings)
+        else:
+            from app.server_worker import ServerWorker  # aiohttp: only for a queue on a server
+
+            worker = ServerWorker(target.server, target.sent_token(), self.registry.get, self.settings)
+        worker.relay.events_ready.connect(self.on_events_ready)
+        worker.job_started.connect(self.on_job_started)
+        worker.job_finished.connect(self.on_job_finished)
+        worker.start()
+        return worker
+
+    def apply_queue_target(self) -> None:
+        """Take the settings' queue target: now when no job runs or waits, else once the queue empties."""
+        if queue_target(self.settings) != self.target and not self.busy():
+            self._switch_worker()
+
+    def _switch_worker(self) -> None:
+        old = self.worker
+        old.relay.events_ready.disconnect(self.on_events_ready)
+        old.job_started.disconnect(self.on_job_started)
+        old.job_finished.disconnect(self.on_job_finished)
+        old.stop()
+        self.target = queue_target(self.settings)
+        self.worker = self._start_worker(self.target)
+        self.target_changed.emit()
 
     # -- commands from the window --
 
@@ -101,7 +135,7 @@ class RunController(QObject):
         job_id = self.worker.submit(job, label)
         self.labels[job_id] = label
         self.queue_panel.set_job(job_id, label, "pending")
-        self.show_message(f"{label} queued")
+        self.show_message(f"{label} queued" + (f" on {self.target.describe()}" if self.target.server else ""))
         self._advance_seeds()
         return job_id
 
@@ -161,6 +195,8 @@ class RunController(QObject):
         if self._busy and not self.worker.queue.pending():
             self._busy = False
             self.busy_changed.emit(False)
+        if not self.worker.queue.pending():
+            self.apply_queue_target()  # a target chosen while jobs ran
 
     @Slot()
     def on_events_ready(self) -> None:
@@ -258,7 +294,9 @@ class RunController(QObject):
         self.show_message("Interrupted")
 
     def _on_job_error(self, event: Event) -> None:
-        self.show_message(f"Engine error: {event.get('message')}")
+        where = "Engine error" if self.target.server is None else "Queue error"
+        self.show_message(f"{where}: {event.get('message')}")
+        self.queue_panel.set_job_note(str(event.get("job_id")), str(event.get("message")))
 
     def _on_job_finished(self, event: Event) -> None:
         status = event.get("status")

@@ -1,11 +1,12 @@
-"""The settings dialog: the models and output folders and the default memory settings, kept in the settings
-file (engine/settings.py, the file `sluice run` reads too), and how the canvas behaves (the app's own
-QSettings)."""
+"""The settings dialog: the models and output folders, the default memory settings and where the queue runs
+(this machine or a server: app/queue_target.py), kept in the settings file (engine/settings.py, the file
+`sluice run` reads too), and how the canvas behaves (the app's own QSettings)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import (
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.queue_target import QueueTarget, queue_target, set_queue_target
 from engine.settings import MEMORY_KEY, Settings, default_settings_file, save_settings
 
 LEFT_DRAG_KEY = "canvas/left_drag"  # QSettings: "pan" (ComfyUI's habit) or "select"
@@ -37,6 +39,7 @@ MEMORY_FIELDS = (
 WEIGHT_HOMES = {"": "auto (fit automatically)", "device": "on the device (GPU)", "cpu": "pinned RAM",
                 "disk": "disk (read per use)"}
 TILING_MODES = ("", "on", "off")
+QUEUE_PLACES = {"local": "this machine", "server": "a server (sluice serve or ComfyUI)"}
 
 
 def left_drag_selects(app_settings: QSettings) -> bool:
@@ -58,6 +61,23 @@ def memory_problem(memory: dict[str, Any]) -> str | None:
         MemorySettings.from_dict(memory)
     except (PlacementError, ValueError) as error:
         return str(error)
+    return None
+
+
+def server_url_problem(text: str | None) -> str | None:
+    """What is wrong with the URL of the queue's server, or None."""
+    from app.server.remote import server_url
+
+    accepted = "accepted: http://HOST:PORT, https://HOST:PORT[/prefix] or HOST:PORT"
+    if not text:
+        return f"a queue on a server needs the server's URL; {accepted}"
+    try:
+        parts = urlsplit(server_url(text))
+        parts.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError:
+        return f"the server URL {text!r} is not a URL; {accepted}"
+    if not parts.hostname:
+        return f"the server URL {text!r} names no host; {accepted}"
     return None
 
 
@@ -96,6 +116,29 @@ class SettingsDialog(QDialog):
             memory_form.addRow(caption, editor)
             self.memory_editors[key] = editor
         layout.addWidget(memory)
+
+        queue = QGroupBox("Queue")
+        queue_form = QFormLayout(queue)
+        target = queue_target(settings)
+        self.queue_place = QComboBox()
+        for value, text in QUEUE_PLACES.items():
+            self.queue_place.addItem(text, value)
+        self.queue_place.setCurrentIndex(1 if target.server else 0)
+        queue_form.addRow("Jobs run on", self.queue_place)
+        self.server_edit = QLineEdit(target.server or "")
+        self.server_edit.setPlaceholderText("http://127.0.0.1:8188")
+        self.server_edit.setToolTip("the URL of a running `sluice serve` (or ComfyUI); the server's models "
+                                    "and memory settings apply, and its images are fetched into the output "
+                                    "folder above")
+        queue_form.addRow("Server URL", self.server_edit)
+        self.token_edit = QLineEdit(target.token or "")
+        self.token_edit.setEchoMode(QLineEdit.EchoMode.Password)
+        self.token_edit.setPlaceholderText("none (or SLUICE_AUTH_TOKEN)")
+        self.token_edit.setToolTip("the server's --auth-token, if it has one")
+        queue_form.addRow("Auth token", self.token_edit)
+        self.queue_place.currentIndexChanged.connect(self._show_queue_place)
+        self._show_queue_place()
+        layout.addWidget(queue)
 
         canvas = QGroupBox("Canvas")
         canvas_form = QFormLayout(canvas)
@@ -157,6 +200,17 @@ class SettingsDialog(QDialog):
             combo.setCurrentIndex(max(0, combo.findData(value)))
         return combo
 
+    def _show_queue_place(self) -> None:
+        on_server = self.queue_place.currentData() == "server"
+        self.server_edit.setEnabled(on_server)
+        self.token_edit.setEnabled(on_server)
+
+    def queue_value(self) -> QueueTarget:
+        """Where the queue runs, as entered."""
+        if self.queue_place.currentData() != "server":
+            return QueueTarget()
+        return QueueTarget(self.server_edit.text().strip() or None, self.token_edit.text().strip() or None)
+
     def memory_values(self) -> dict[str, str]:
         """The default memory settings as entered (entries left at their default are not written)."""
         values: dict[str, str] = {}
@@ -178,6 +232,9 @@ class SettingsDialog(QDialog):
         models, output = self.models_edit.text().strip(), self.output_edit.text().strip()
         if problem is None and not (models and output):
             problem = "the models and output folders must be given"
+        target = self.queue_value()
+        if problem is None and self.queue_place.currentData() == "server":
+            problem = server_url_problem(target.server)
         if problem is not None:
             self.problem.setText(problem)
             self.problem.show()
@@ -188,6 +245,7 @@ class SettingsDialog(QDialog):
             self.settings.extra[MEMORY_KEY] = memory
         else:
             self.settings.extra.pop(MEMORY_KEY, None)
+        set_queue_target(self.settings, target)
         try:
             save_settings(self.settings, self.settings_file)
         except OSError as error:

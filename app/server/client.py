@@ -36,19 +36,18 @@ from app.cli import (
     apply_overrides,
     print_saved_files,
 )
-from app.server.files import PathRefused, check_file_name, free_name, subfolder_path
 from app.server.main import auth_token
+from app.server.remote import (
+    auth_headers,
+    keep_image,
+    parse_message,
+    prompt_problems,
+    server_url,
+    websocket_url,
+)
 from engine.graph.comfy_export import to_api_prompt
-from engine.jsonfile import JsonInputError, load_json
-from engine.new_files import create_file
 from engine.settings import Settings
 from engine.telemetry import Event
-
-
-def server_url(text: str) -> str:
-    """'host:port' or 'http(s)://host:port[/prefix]' -> the base URL without a trailing slash."""
-    text = text.strip().rstrip("/")
-    return text if text.startswith(("http://", "https://")) else f"http://{text}"
 
 
 def run_on_server(path: str | Path, args: argparse.Namespace) -> int:
@@ -74,7 +73,7 @@ class RemoteRun:
     def __init__(self, base: str, token: str | None, prompt: dict[str, Any], workflow: Any,
                  settings: Settings, quiet: bool = False, show_traceback: bool = False) -> None:
         self.base = base
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.headers = auth_headers(token)
         self.prompt = prompt
         self.settings = settings
         self.show_traceback = show_traceback
@@ -86,9 +85,8 @@ class RemoteRun:
 
     async def main(self) -> int:
         async with aiohttp.ClientSession(headers=self.headers) as self.session:
-            ws_url = self.base.replace("http", "ws", 1) + f"/ws?clientId={self.client_id}"
             try:
-                ws = await self.session.ws_connect(ws_url, heartbeat=30.0)
+                ws = await self.session.ws_connect(websocket_url(self.base, self.client_id), heartbeat=30.0)
             except aiohttp.WSServerHandshakeError as error:
                 return self._refused(error.status, error.message)
             async with ws:
@@ -118,13 +116,10 @@ class RemoteRun:
     def _rejected(self, status: int, body: Any) -> int:
         if status in (401, 403):
             return self._refused(status, str(body))
-        error = body.get("error", {}) if isinstance(body, dict) else {}
-        print(f"sluice: invalid: {error.get('message', body)}" + (f" ({error['details']})" if
-              error.get("details") and not body.get("node_errors") else ""), file=sys.stderr)
-        for node_id, entry in (body.get("node_errors") or {}).items():
-            for problem in entry.get("errors", []):
-                print(f"sluice: invalid: node {node_id} ({entry.get('class_type')}): "
-                      f"{problem.get('message')}: {problem.get('details')}", file=sys.stderr)
+        summary, problems = prompt_problems(body)
+        print(f"sluice: invalid: {summary}", file=sys.stderr)
+        for node_id, class_type, problem in problems:
+            print(f"sluice: invalid: node {node_id} ({class_type}): {problem}", file=sys.stderr)
         return EXIT_FAILED
 
     def _catch_ctrl_c(self) -> None:
@@ -159,17 +154,14 @@ class RemoteRun:
         async for message in ws:
             if message.type != aiohttp.WSMsgType.TEXT:
                 continue
-            try:
-                parsed = load_json(message.data, "a websocket message from the server")
-            except JsonInputError:
+            parsed = parse_message(message.data)
+            if parsed is None:
                 continue  # not a message of ComfyUI's protocol
-            if not isinstance(parsed, dict) or not isinstance(parsed.get("data") or {}, dict):
-                continue
-            kind, data = parsed.get("type"), parsed.get("data") or {}
+            kind, data = parsed
             if data.get("prompt_id") != self.prompt_id:
                 continue
             if kind in ("execution_success", "execution_error", "execution_interrupted"):
-                outcome = parsed
+                outcome = {"type": kind, "data": data}
             elif kind == "execution_cached":
                 for node_id in data.get("nodes", []):
                     self._print("node_cached", node_id=node_id)
@@ -225,30 +217,7 @@ class RemoteRun:
                 async with self.session.get(f"{self.base}/view", params=params) as answer:
                     answer.raise_for_status()
                     data = await answer.read()
-                saved.append(keep_image(self.settings, params["subfolder"], params["filename"], data))
+                root = self.settings.output_dir
+                saved.append(keep_image(root, params["subfolder"], params["filename"], data))
         return saved
 
-
-def keep_image(settings: Settings, subfolder: str, filename: str, data: bytes) -> Path:
-    """Write a downloaded image into the local output folder under the server's subfolder and name (names
-    from the server are checked like a request's); an existing file with the same bytes is kept as it is,
-    a different one is never replaced ('name (1).png')."""
-    root = settings.output_dir
-    try:
-        folder = subfolder_path(root, subfolder)
-    except PathRefused:
-        folder = root
-    try:
-        name = check_file_name(filename)
-    except PathRefused:
-        name = "image.png"
-    path = folder / name
-    if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    while True:
-        candidate = folder / free_name(folder, name)
-        try:
-            return create_file(candidate, data)
-        except FileExistsError:
-            continue
