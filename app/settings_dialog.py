@@ -115,6 +115,11 @@ class SettingsDialog(QDialog):
             caption.setToolTip(editor.toolTip())
             memory_form.addRow(caption, editor)
             self.memory_editors[key] = editor
+        self.memory_on_server_note = QLabel("These apply to jobs run on this machine. Jobs queued on a server "
+                                            "run under the server's own settings (its --max-vram and "
+                                            "placement flags).")
+        self.memory_on_server_note.setWordWrap(True)
+        memory_form.addRow(self.memory_on_server_note)
         layout.addWidget(memory)
 
         queue = QGroupBox("Queue")
@@ -204,6 +209,7 @@ class SettingsDialog(QDialog):
         on_server = self.queue_place.currentData() == "server"
         self.server_edit.setEnabled(on_server)
         self.token_edit.setEnabled(on_server)
+        self.memory_on_server_note.setVisible(on_server)
 
     def queue_value(self) -> QueueTarget:
         """Where the queue runs, as entered."""

@@ -51,7 +51,10 @@ def test_default_workflow_queued_on_a_server_shows_its_image_equal_to_a_local_ru
     window = make_default_window()
 
     dialog = window.show_settings()
+    assert not dialog.memory_on_server_note.isVisibleTo(dialog)  # local jobs: the memory defaults apply
     dialog.queue_place.setCurrentIndex(dialog.queue_place.findData("server"))
+    assert dialog.memory_on_server_note.isVisibleTo(dialog)  # says they do not reach the server
+    assert "server's own settings" in dialog.memory_on_server_note.text()
     dialog.server_edit.setText(url)
     dialog.accept()
     assert json.loads(default_settings_file().read_text())["queue"] == {"server": url}
