@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--per-group", type=int, default=48, help="prompts in each group")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cfg", type=float, default=5.0, help="guidance scale (the default workflow's: 5)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--models", type=Path, help="a models folder whose sluice-shapes files to judge "
                         "instead of resources/models'")
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         settings = load_settings(models_root=args.models, output_dir=out)  # searched before resources/models
         started = time.perf_counter()
-        generator = EmbeddedGenerator(settings, steps=args.steps)
+        generator = EmbeddedGenerator(settings, steps=args.steps, cfg=args.cfg)
         generator.generate("warm-up", seed=0)
         load_seconds = time.perf_counter() - started
         scores: dict[str, dict[str, list[bool]]] = {group: {} for group in GROUPS}
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(f"{i:03d} {prompt.group}: {prompt.caption!r} wrong: {wrong}\n")
     times.sort()
     print(f"machine: {torch.get_num_threads()} torch threads; load + first image {load_seconds:.2f} s")
-    print(f"seconds per 128x128 image, {args.steps} steps dpm++2m karras cfg 5: "
+    print(f"seconds per 128x128 image, {args.steps} steps dpm++2m karras cfg {args.cfg:g}: "
           f"median {times[len(times) // 2]:.2f}, min {times[0]:.2f}, max {times[-1]:.2f}")
     print()
     columns = (*ATTRIBUTES, "all right")
