@@ -115,9 +115,9 @@ class SettingsDialog(QDialog):
             caption.setToolTip(editor.toolTip())
             memory_form.addRow(caption, editor)
             self.memory_editors[key] = editor
-        self.memory_on_server_note = QLabel("These apply to jobs run on this machine. Jobs queued on a server "
-                                            "run under the server's own settings (its --max-vram and "
-                                            "placement flags).")
+        self.memory_on_server_note = QLabel("These apply to jobs run on this machine. Jobs queued on a "
+                                            "server run under the server's own settings (its --max-vram "
+                                            "and placement flags).")
         self.memory_on_server_note.setWordWrap(True)
         memory_form.addRow(self.memory_on_server_note)
         layout.addWidget(memory)

@@ -4,7 +4,8 @@
 training. The thresholds sit far above chance (background 1/8, colour 1/7, position 1/9, size 1/2, shape
 1/6) and two or three prompts below what the shipped model (issue 22's retrain, session 20) scores on these
 16 prompts with torch 2.14 on the CPU: background 15/16, colour 15/16, position 15/16, size 13/13, shape
-16/16; held-out pairs: background 7/8, colour 7/8, position 8/8. The model before the retrain scored
+16/16; held-out pairs: background 7/8, colour 7/8, position 8/8 (the same after session 21's run 5 and
+decoder fine-tune). The model before the retrain scored
 background 13/16, colour 10/16, position 9/16, shape 14/16 (held-out colour 4/8): it fails each of the
 three model tests below.
 """
